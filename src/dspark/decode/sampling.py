@@ -1,0 +1,70 @@
+"""Sampling settings and the one function that turns logits into the distribution we sample from.
+
+Target and draft both go through `probs_from_logits`, so verification always compares the exact
+processed distributions (temperature, top-k, top-p) that tokens were drawn from. All randomness
+is explicit uniforms, drawn per request, so results never depend on batch neighbours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dspark.errors import DsparkError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+    def __post_init__(self):
+        if not (self.temperature >= 0.0):  # also rejects NaN
+            raise DsparkError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise DsparkError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise DsparkError(f"top-k must be >= 0 (0 disables it), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """fp32 probabilities over the last dim; one-hot argmax when greedy."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the top token always survives)
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: probs [..., V] (need not be normalised), uniforms [...] in [0, 1)."""
+    cdf = probs.cumsum(-1)
+    x = (uniforms * cdf[..., -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def new_generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g

@@ -1,0 +1,61 @@
+"""Lossless chain verification (speculative rejection sampling), batched over independent chains.
+
+Row r verified `lengths[r]` draft tokens d_0..d_{l-1}. Draft k is accepted with probability
+min(1, p_t(d_k) / p_d(d_k)); at the first rejection the replacement is drawn from
+norm(max(p_t - p_d, 0)); when all are accepted the bonus token is drawn from p_t at position l.
+At temperature 0 (one-hot p_t) this is exactly "accept while the draft equals the target argmax".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.decode.sampling import sample
+
+
+def verify_chains(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    lengths: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify N draft chains at once.
+
+    draft_tokens [N, L] (long), draft_probs [N, L, V] or None when every draft token was proposed
+    deterministically (one-hot p_d, as prompt lookup does), target_probs [N, L+1, V],
+    lengths [N] (0..L drafts to verify per row), uniforms [N, L+1] in [0, 1): column k < l is the
+    acceptance draw of draft k, column l the draw that samples the final token.
+    Returns (num_accepted [N], next_token [N]).
+    """
+    N, L = draft_tokens.shape
+    rows = torch.arange(N)
+    if L:
+        p_t = target_probs[:, :L].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+        p_d = (
+            torch.ones_like(p_t)
+            if draft_probs is None
+            else draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+        )
+        accept = uniforms[:, :L] * p_d < p_t
+        accept &= torch.arange(L)[None, :] < lengths[:, None]
+        num_accepted = accept.long().cumprod(-1).sum(-1)
+    else:
+        num_accepted = torch.zeros(N, dtype=torch.long)
+
+    final = target_probs[rows, num_accepted].clone()  # [N, V]: p_t at the stop position
+    rejected = num_accepted < lengths
+    if bool(rejected.any()):
+        r = rows[rejected]
+        k = num_accepted[rejected]
+        residual = final[r]
+        if draft_probs is None:
+            residual[torch.arange(len(r)), draft_tokens[r, k]] = 0.0
+        else:
+            residual = (residual - draft_probs[r, k]).clamp_(min=0.0)
+        # float round-off can leave nothing when p_t == p_d (a rejection then has probability 0)
+        empty = residual.sum(-1) <= 0
+        residual[empty] = final[r][empty]
+        final[r] = residual
+    next_token = sample(final, uniforms[rows, lengths])
+    return num_accepted, next_token
