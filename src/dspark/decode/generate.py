@@ -79,7 +79,8 @@ class Decoder:
         if len(prompt_ids) + 1 > max_len:
             raise DsparkError(f"prompt of {len(prompt_ids)} tokens leaves no room in the {model.max_positions}-token context")
         gen = new_generator(seed)
-        checker = StopChecker(self.target.eos_token_ids, max_new_tokens, stop, self.target.decode)
+        decode = self.target.decode if self.target.tokenizer is not None else None
+        checker = StopChecker(self.target.eos_token_ids, max_new_tokens, stop, decode)
         emit = on_tokens or (lambda ids: None)
         cache = model.new_cache(1, max_len)
 

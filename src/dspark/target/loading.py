@@ -199,7 +199,7 @@ def part_is(tensor_name: str, part: str) -> bool:
 @dataclasses.dataclass
 class Target:
     model: TargetModel
-    tokenizer: object  # a transformers tokenizer
+    tokenizer: object | None  # a transformers tokenizer (None only for tokenizer-less test models)
     path: Path
     eos_token_ids: frozenset[int]
 
@@ -209,6 +209,8 @@ class Target:
 
     def encode_prompt(self, text: str, chat: bool = True) -> list[int]:
         """Token ids for a user message rendered with the chat template (or raw text)."""
+        if self.tokenizer is None:
+            raise DsparkError(f"{self.path} has no tokenizer; pass token ids, not text")
         if not text:
             raise DsparkError("the prompt is empty; pass some text with --prompt")
         if chat and getattr(self.tokenizer, "chat_template", None):
@@ -219,6 +221,8 @@ class Target:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
     def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise DsparkError(f"{self.path} has no tokenizer; pass token ids, not text")
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
@@ -244,7 +248,12 @@ def load_target_config(model_dir: Path) -> TargetConfig:
     return TargetConfig.from_hf_dict(raw)
 
 
-def load_target(spec: str | os.PathLike | None = None, dtype: torch.dtype | str = "auto", pack: bool = True) -> Target:
+def load_target(
+    spec: str | os.PathLike | None = None,
+    dtype: torch.dtype | str = "auto",
+    pack: bool = True,
+    require_tokenizer: bool = True,
+) -> Target:
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     model_dir = resolve_model_dir(spec)
@@ -254,13 +263,17 @@ def load_target(spec: str | os.PathLike | None = None, dtype: torch.dtype | str 
     model.eval()
     if pack:
         model.pack_weights()
-    from transformers import AutoTokenizer
+    tokenizer = None
+    if any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        from transformers import AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as e:
-        raise DsparkError(f"cannot load the tokenizer of {model_dir}: {e}") from None
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        except Exception as e:
+            raise DsparkError(f"cannot load the tokenizer of {model_dir}: {e}") from None
+    elif require_tokenizer:
+        raise DsparkError(f"{model_dir} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
     eos = set(cfg.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     return Target(model=model, tokenizer=tokenizer, path=model_dir, eos_token_ids=frozenset(eos))

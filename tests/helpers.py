@@ -1,0 +1,76 @@
+"""Tiny random-weight targets and test drafters shared by the tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dspark.decode.sampling import SamplingParams
+from dspark.draft.base import DraftBlock, Drafter
+
+EVAL_DIR = Path(__file__).resolve().parents[1] / "data" / "eval"
+
+
+def eval_prompts(name: str, n: int) -> list[str]:
+    with open(EVAL_DIR / f"{name}.jsonl") as f:
+        return [json.loads(line)["turns"][0] for line, _ in zip(f, range(n))]
+
+
+def make_tiny_hf_model(family: str, out_dir: Path, tie: bool = False, vocab: int = 128, seed: int = 0) -> Path:
+    """Write a random tiny HF checkpoint (safetensors) of a supported family; returns its directory."""
+    import transformers
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if family == "llama":
+        cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    elif family == "qwen2":
+        cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    elif family == "qwen3":
+        cfg, cls = transformers.Qwen3Config(head_dim=32, **common), transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: make every weight matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+class RandomDrafter(Drafter):
+    """Proposes uniformly random tokens (one-hot p_d): losslessness must not depend on draft quality."""
+
+    def __init__(self, vocab_size: int, num_draft_tokens: int = 4, seed: int = 0):
+        self.vocab_size = vocab_size
+        self.k = num_draft_tokens
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def begin(self, prompt_ids):
+        pass
+
+    def observe(self, tokens, taps):
+        pass
+
+    def propose(self, anchor, max_tokens, params: SamplingParams, generator):
+        n = min(self.k, max_tokens)
+        return DraftBlock(tokens=torch.randint(self.vocab_size, (n,), generator=self.gen).tolist())

@@ -1,0 +1,101 @@
+"""Exact losslessness of verification and correctness of the sampling transform."""
+
+import pytest
+import torch
+
+from dspark.decode.sampling import SamplingParams, probs_from_logits, sample
+from dspark.decode.verify import verify_chains
+
+N = 200_000
+
+
+def first_committed_tokens(p_t: torch.Tensor, p_d: torch.Tensor | None, n_draft: int, seed: int) -> torch.Tensor:
+    """Run N independent verification steps; return each step's first committed token.
+
+    p_t / p_d: [V] distributions (the same at every position, so the first committed token must be
+    distributed exactly as p_t). p_d None = deterministic drafts of token 0 (one-hot p_d)."""
+    g = torch.Generator().manual_seed(seed)
+    V = p_t.shape[-1]
+    if p_d is None:
+        drafts = torch.zeros(N, n_draft, dtype=torch.long)
+        draft_probs = None
+    else:
+        drafts = sample(p_d.expand(N, n_draft, V), torch.rand(N, n_draft, generator=g))
+        draft_probs = p_d.expand(N, n_draft, V)
+    accepted, nxt = verify_chains(
+        drafts, draft_probs, p_t.expand(N, n_draft + 1, V), torch.full((N,), n_draft), torch.rand(N, n_draft + 1, generator=g)
+    )
+    return torch.where(accepted > 0, drafts[:, 0], nxt)
+
+
+def total_variation(tokens: torch.Tensor, p: torch.Tensor) -> float:
+    emp = torch.bincount(tokens, minlength=p.shape[0]).double() / tokens.numel()
+    return 0.5 * (emp - p.double()).abs().sum().item()
+
+
+CASES = [
+    # (target logits, draft logits, params)
+    ([2.0, 1.0, 0.5, 0.0, -1.0, -2.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0], SamplingParams(temperature=1.0)),
+    ([0.0, 3.0, 0.1, -0.5, 1.0, 0.2], [3.0, 0.0, 0.1, 1.0, -0.5, 0.2], SamplingParams(temperature=0.7)),
+    ([1.0, 0.9, 0.8, 0.7, -3.0, 2.0], [2.0, -1.0, 0.8, 1.5, 0.0, 0.0], SamplingParams(temperature=1.0, top_k=3)),
+    ([1.0, 0.9, 0.8, 0.7, -3.0, 2.0], [0.0, 1.0, 2.0, 1.5, 0.0, 0.0], SamplingParams(temperature=1.3, top_p=0.8)),
+    ([0.5, 2.5, 0.8, 0.7, 1.0, 2.0], [2.5, 0.5, 0.8, 0.1, 0.0, 0.0], SamplingParams(temperature=0.9, top_k=4, top_p=0.9)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("n_draft", [1, 3])
+def test_committed_token_follows_target_distribution(case, n_draft):
+    t_logits, d_logits, params = CASES[case]
+    p_t = probs_from_logits(torch.tensor(t_logits), params)
+    p_d = probs_from_logits(torch.tensor(d_logits), params)
+    assert total_variation(first_committed_tokens(p_t, p_d, n_draft, seed=case), p_t) < 0.005
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_deterministic_drafts_are_lossless(case):
+    t_logits, _, params = CASES[case]
+    p_t = probs_from_logits(torch.tensor(t_logits), params)
+    assert total_variation(first_committed_tokens(p_t, None, 2, seed=10 + case), p_t) < 0.005
+
+
+def test_greedy_verification_accepts_exactly_the_matching_prefix():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [4.0, 0.0, 1.0], [0.0, 1.0, 6.0], [9.0, 0.0, 0.0]])
+    p_t = probs_from_logits(logits, SamplingParams())
+    for drafts, want_acc, want_next in [([1, 0, 2], 3, 0), ([1, 2, 2], 1, 0), ([0, 0, 2], 0, 1), ([1, 0, 1], 2, 2)]:
+        acc, nxt = verify_chains(torch.tensor([drafts]), None, p_t[None], torch.tensor([3]), torch.rand(1, 4))
+        assert (acc.item(), nxt.item()) == (want_acc, want_next)
+
+
+def test_verify_respects_per_row_lengths():
+    p_t = probs_from_logits(torch.tensor([[0.0, 5.0]] * 4), SamplingParams())
+    drafts = torch.ones(2, 3, dtype=torch.long)
+    acc, nxt = verify_chains(drafts, None, p_t.expand(2, 4, 2), torch.tensor([3, 1]), torch.rand(2, 4))
+    assert acc.tolist() == [3, 1] and nxt.tolist() == [1, 1]
+
+
+def test_top_k_and_top_p_truncation():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert p[2:].sum() == 0 and torch.isclose(p.sum(), torch.tensor(1.0))
+    full = torch.softmax(logits, -1)  # [0.644, 0.237, 0.087, 0.032]
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.85))
+    assert (p > 0).tolist() == [True, True, False, False]
+    assert torch.allclose(p[:2], full[:2] / full[:2].sum())
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert (p > 0).tolist() == [True, False, False, False]
+
+
+def test_sampling_never_picks_zero_probability_tokens():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0])
+    u = torch.cat([torch.tensor([0.0, 0.5, 0.9999999]), torch.rand(10_000)])
+    picked = sample(probs.expand(len(u), 5), u)
+    assert set(picked.tolist()) <= {1, 3}
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.01), dict(top_k=-1), dict(temperature=float("nan"))])
+def test_invalid_sampling_params_are_rejected(kwargs):
+    from dspark.errors import DsparkError
+
+    with pytest.raises(DsparkError):
+        SamplingParams(**kwargs)
