@@ -1,0 +1,84 @@
+"""The `dspark` command: JSON output and clear one-line errors on bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args, env_extra=None, timeout=300):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "dspark.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def assert_clean_error(proc, needle):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--model", "/no/such/model"], "does not exist"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--temperature", "-0.5"], "temperature"),
+        (["--top-p", "0"], "top-p"),
+        (["--top-p", "1.5"], "top-p"),
+        (["--top-k", "-3"], "top-k"),
+        (["--dtype", "float8"], "dtype"),
+        (["--drafter", "/no/such/drafter"], "drafter"),
+    ],
+)
+def test_bad_arguments_give_one_clear_line(args, needle):
+    assert_clean_error(run_cli("generate", "--prompt", "hi", *args), needle)
+
+
+def test_empty_prompt():
+    assert_clean_error(run_cli("generate", "--prompt", ""), "prompt is empty")
+
+
+def test_gguf_of_unsupported_architecture(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "tiny-gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    proc = run_cli("generate", "--prompt", "hi", "--model", str(path), env_extra={"DSPARK_CACHE_DIR": str(tmp_path / "c")})
+    assert_clean_error(proc, "not supported")
+
+
+def test_not_a_gguf_file(tmp_path):
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"definitely not gguf")
+    proc = run_cli("generate", "--prompt", "hi", "--model", str(bogus), env_extra={"DSPARK_CACHE_DIR": str(tmp_path / "c")})
+    assert_clean_error(proc, "GGUF")
+
+
+def test_json_output_on_the_embedded_model():
+    proc = run_cli("generate", "--prompt", "Name a fruit.", "--max-new-tokens", "12", "--json", "--dtype", "float32")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out) >= {"text", "token_ids", "stats"}
+    assert set(out["stats"]) >= {"new_tokens", "rounds", "tau", "decode_tok_s", "prefill_s"}
+    assert 1 <= out["stats"]["new_tokens"] == len(out["token_ids"]) <= 12
+    assert out["stats"]["tau"] >= 1.0 and out["text"]
+
+
+def test_streaming_output_and_stats_line():
+    proc = run_cli("generate", "--prompt", "Say hello.", "--max-new-tokens", "10", "--drafter", "none")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    assert "[dspark]" in proc.stderr and "tok/s" in proc.stderr

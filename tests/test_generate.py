@@ -1,0 +1,59 @@
+"""End-to-end decoding on the real SmolLM2: speculative output is token-identical to plain greedy."""
+
+import pytest
+import torch
+
+from dspark.decode.generate import Decoder
+from dspark.decode.sampling import SamplingParams
+from dspark.draft.prompt_lookup import PromptLookupDrafter
+from helpers import RandomDrafter, eval_prompts
+
+DATASETS = ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
+PROMPTS = [p for name in DATASETS for p in eval_prompts(name, 4)]  # 20 prompts
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(smollm2_fp32):
+    ar = Decoder(smollm2_fp32)
+    return [ar.generate(smollm2_fp32.encode_prompt(p), 64).token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("drafter_name", ["prompt-lookup", "random"])
+def test_greedy_speculative_equals_plain_greedy(smollm2_fp32, greedy_reference, drafter_name):
+    vocab = smollm2_fp32.cfg.vocab_size
+    drafter = PromptLookupDrafter(8) if drafter_name == "prompt-lookup" else RandomDrafter(vocab, 4)
+    spec = Decoder(smollm2_fp32, drafter)
+    total_rounds = total_tokens = 0
+    for prompt, want in zip(PROMPTS, greedy_reference):
+        result = spec.generate(smollm2_fp32.encode_prompt(prompt), 64)
+        assert result.token_ids == want, f"diverged on prompt {prompt[:60]!r}"
+        total_rounds += result.stats.rounds
+        total_tokens += result.stats.new_tokens - 1
+    if drafter_name == "prompt-lookup":  # the drafts must have been real, accepted proposals
+        assert total_tokens / total_rounds > 1.1
+
+
+def test_stop_string_eos_and_budget_end_generation_identically(smollm2_fp32):
+    ids = smollm2_fp32.encode_prompt("List three colours, one per line.")
+    ar, spec = Decoder(smollm2_fp32), Decoder(smollm2_fp32, PromptLookupDrafter(8))
+    full = ar.generate(ids, 64)
+    assert full.finish_reason in ("stop", "length")
+    stop = full.text.split()[2]  # a word from the middle of the reply
+    for kwargs in [dict(max_new_tokens=64, stop=[stop]), dict(max_new_tokens=7), dict(max_new_tokens=64)]:
+        a, b = ar.generate(ids, **kwargs), spec.generate(ids, **kwargs)
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+    cut = ar.generate(ids, 64, stop=[stop])
+    assert cut.finish_reason == "stop" and stop not in cut.text and full.text.startswith(cut.text)
+    assert len(ar.generate(ids, 7).token_ids) == 7
+    if full.finish_reason == "stop":  # EOS ends generation and is the last token
+        assert full.token_ids[-1] in smollm2_fp32.eos_token_ids
+
+
+def test_streamed_tokens_equal_result_and_sampling_is_seeded(smollm2_fp32):
+    ids = smollm2_fp32.encode_prompt("Tell me a short joke.")
+    spec = Decoder(smollm2_fp32, PromptLookupDrafter(4))
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    streamed = []
+    a = spec.generate(ids, 40, params, seed=7, on_tokens=streamed.extend)
+    b = spec.generate(ids, 40, params, seed=7)
+    assert streamed == a.token_ids == b.token_ids
