@@ -22,6 +22,7 @@ from tqdm import tqdm
 from dspark.decode.generate import Decoder
 from dspark.draft.prompt_lookup import PromptLookupDrafter
 from dspark.target.loading import load_target
+from dspark.target.model import cpu_has_native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,18 +46,22 @@ def hf_decode_tok_s(hf, ids: list[int], max_new_tokens: int) -> tuple[float, lis
     return (len(new) - 1) / max(total - prefill, 1e-9), new
 
 
-def forward_latency(model, k: int, context: int = 512, reps: int = 15) -> float:
+def forward_latencies(model, ks, context: int = 512, reps: int = 15) -> dict[int, float]:
+    """Median ms of a k-token forward (+ LM head) at `context`; the k values are interleaved
+    round-robin so machine drift hits all of them alike."""
     g = torch.Generator().manual_seed(0)
-    cache = model.new_cache(1, context + 64)
+    cache = model.new_cache(1, context + max(ks) + 1)
     model(torch.randint(0, model.cfg.vocab_size, (1, context), generator=g), cache)
-    x = torch.randint(0, model.cfg.vocab_size, (1, k), generator=g)
-    times = []
-    for _ in range(reps + 2):
-        t0 = time.perf_counter()
-        model.logits(model(x, cache).hidden[0])
-        times.append(time.perf_counter() - t0)
-        cache.truncate(context)
-    return statistics.median(times[2:]) * 1000
+    times = {k: [] for k in ks}
+    for rep in range(reps + 2):
+        for k in ks:
+            x = torch.randint(0, model.cfg.vocab_size, (1, k), generator=g)
+            t0 = time.perf_counter()
+            model.logits(model(x, cache).hidden[0])
+            if rep >= 2:
+                times[k].append(time.perf_counter() - t0)
+            cache.truncate(context)
+    return {k: statistics.median(v) * 1000 for k, v in times.items()}
 
 
 def main() -> None:
@@ -106,10 +111,15 @@ def main() -> None:
 
     latency = {}
     for name, target in (("float32", fp32), ("bfloat16", bf16)):
-        latency[name] = {k: forward_latency(target.model, k) for k in (1, 2, 4, 8, 16, 32)}
+        latency[name] = forward_latencies(target.model, (1, 2, 4, 8, 16, 32))
     results = {
         "command": "python " + " ".join(sys.argv),
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "machine": {
+            "cpu": cpu_model(),
+            "native_bf16": cpu_has_native_bf16(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+        },
         "max_new_tokens": args.max_new_tokens,
         "prompts": len(rows),
         "summary": summary,
@@ -120,6 +130,14 @@ def main() -> None:
     (args.out / "foundation.json").write_text(json.dumps(results, indent=2))
     (args.out / "foundation.md").write_text(report(results))
     print(report(results))
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
 
 
 def med_ratio(rows, a, b):

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from dspark.errors import DsparkError
 from dspark.target.config import TargetConfig
-from dspark.target.model import TargetModel
+from dspark.target.model import TargetModel, cpu_has_native_bf16
 
 DEFAULT_MODEL = "smollm2"
 GGUF_FAMILIES = ("llama", "qwen2", "qwen3")
@@ -30,11 +30,7 @@ def default_dtype() -> torch.dtype:
     """bf16 where the CPU has native bf16 matrix units (AMX / AVX512-BF16) or on a GPU, else fp32."""
     if torch.cuda.is_available():
         return torch.bfloat16
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return torch.float32
-    return torch.bfloat16 if ("amx_bf16" in flags or "avx512_bf16" in flags) else torch.float32
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 def parse_dtype(name: str) -> torch.dtype:
