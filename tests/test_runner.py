@@ -26,7 +26,7 @@ def assert_matches_hf(target, model_dir, ids, what):
     is held to a relative 1e-5 of the logit scale instead."""
     ref = hf_logits(model_dir, ids)
     diff = (runner_logits(target, ids) - ref).abs().max().item()
-    packed = target.model._lm_head_kernel is not None
+    packed = target.model.packed
     tol = 1e-5 * ref.abs().max().item() if packed else 1e-4
     assert diff <= tol, f"{what} (packed={packed}): max |logit diff| {diff}"
 

@@ -149,6 +149,11 @@ class TargetModel(nn.Module):
         self._lm_head_kernel = pack(self.lm_head.detach(), 8)
         self._linear = _mkldnn_linear
 
+    @property
+    def packed(self) -> bool:
+        """True once `pack_weights` swapped in oneDNN-prepacked fp32 weights."""
+        return self._lm_head_kernel is not None
+
     def _attention(self, q, k, v, mask, gqa: bool) -> torch.Tensor:
         # CPU SDPA is ~10x slower in bf16 than fp32 without native bf16 units; the upcast is cheap
         if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not _NATIVE_BF16:
