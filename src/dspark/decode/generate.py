@@ -98,15 +98,15 @@ class Decoder:
         records: list[RoundRecord] = []
         t1 = time.perf_counter()
         while not checker.done:
-            if int(cache.lengths[0]) >= max_len:  # context window full
+            committed = int(cache.lengths[0])
+            if committed >= max_len:  # context window full
                 checker.finish_reason = "length"
                 break
             # the bonus token always comes on top of the drafts, so leave room for it
-            budget = min(max_new_tokens - len(checker.token_ids), max_len - int(cache.lengths[0])) - 1
+            budget = min(max_new_tokens - len(checker.token_ids), max_len - committed) - 1
             block = drafter.propose(token, budget, params, gen) if drafter and budget > 0 else None
             drafts = block.tokens[:budget] if block else []
             n_draft = len(drafts)
-            committed = int(cache.lengths[0])
             out = model(torch.tensor([[token] + drafts]), cache, taps=self.taps)
             target_probs = probs_from_logits(model.logits(out.hidden[0]), params)
             draft_probs = block.probs[None, :n_draft] if block is not None and block.probs is not None else None

@@ -203,10 +203,13 @@ class Target:
     def cfg(self) -> TargetConfig:
         return self.model.cfg
 
-    def encode_prompt(self, text: str, chat: bool = True) -> list[int]:
-        """Token ids for a user message rendered with the chat template (or raw text)."""
+    def _require_tokenizer(self) -> None:
         if self.tokenizer is None:
             raise DsparkError(f"{self.path} has no tokenizer; pass token ids, not text")
+
+    def encode_prompt(self, text: str, chat: bool = True) -> list[int]:
+        """Token ids for a user message rendered with the chat template (or raw text)."""
+        self._require_tokenizer()
         if not text:
             raise DsparkError("the prompt is empty; pass some text with --prompt")
         if chat and getattr(self.tokenizer, "chat_template", None):
@@ -217,8 +220,7 @@ class Target:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
     def decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            raise DsparkError(f"{self.path} has no tokenizer; pass token ids, not text")
+        self._require_tokenizer()
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 

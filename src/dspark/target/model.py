@@ -8,6 +8,7 @@ Python overhead.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +82,7 @@ def can_pack_fp32() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+@functools.cache
 def cpu_has_native_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
@@ -88,9 +90,6 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-_NATIVE_BF16 = cpu_has_native_bf16()
 
 
 class TargetModel(nn.Module):
@@ -156,7 +155,7 @@ class TargetModel(nn.Module):
 
     def _attention(self, q, k, v, mask, gqa: bool) -> torch.Tensor:
         # CPU SDPA is ~10x slower in bf16 than fp32 without native bf16 units; the upcast is cheap
-        if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not _NATIVE_BF16:
+        if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not cpu_has_native_bf16():
             out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=gqa)
             return out.to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
@@ -209,9 +208,8 @@ class TargetModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits from final hidden states (call it only on the positions you need)."""
-        if self._lm_head_kernel is None:
-            return F.linear(hidden, self.lm_head).float()
-        return self._linear(hidden, self._lm_head_kernel).float()
+        weight = self.lm_head if self._lm_head_kernel is None else self._lm_head_kernel
+        return self._linear(hidden, weight).float()
 
     @torch.inference_mode()
     def forward(
@@ -250,9 +248,9 @@ class TargetModel(nn.Module):
         x = self.embed(input_ids)
         tapped = []
         tap_set = set(taps)
+        lin = self._linear
         for li, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            lin = self._linear
             qkv = lin(h, layer.wqkv, layer.bqkv).view(B, q, nh + 2 * nkv, hd).transpose(1, 2)
             qk, vh = qkv.split((nh + nkv, nkv), dim=1)
             if c.qk_norm:
