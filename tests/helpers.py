@@ -18,15 +18,17 @@ def eval_prompts(name: str, n: int) -> list[str]:
         return [json.loads(line)["turns"][0] for line, _ in zip(f, range(n))]
 
 
-def make_tiny_hf_model(family: str, out_dir: Path, tie: bool = False, vocab: int = 128, seed: int = 0) -> Path:
+def make_tiny_hf_model(
+    family: str, out_dir: Path, tie: bool = False, vocab: int = 128, seed: int = 0, layers: int = 4, hidden: int = 64
+) -> Path:
     """Write a random tiny HF checkpoint (safetensors) of a supported family; returns its directory."""
     import transformers
 
     common = dict(
         vocab_size=vocab,
-        hidden_size=64,
+        hidden_size=hidden,
         intermediate_size=96,
-        num_hidden_layers=4,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
@@ -74,3 +76,22 @@ class RandomDrafter(Drafter):
     def propose(self, anchor, max_tokens, params: SamplingParams, generator):
         n = min(self.k, max_tokens)
         return DraftBlock(tokens=torch.randint(self.vocab_size, (n,), generator=self.gen).tolist())
+
+
+def make_random_dspark(target, head: str = "vanilla", block_size: int = 4, layers: int = 1, rank: int = 8,
+                       confidence: bool = True, seed: int = 0, std: float = 0.15):
+    """A randomly initialised DSpark drafter for `target` with weights large enough that every head
+    visibly changes the logits (the default 0.02 init would make the heads near no-ops)."""
+    from dspark.draft.checkpoint import new_draft_config
+    from dspark.draft.dspark import DSparkDrafter, DSparkModel
+
+    cfg = new_draft_config(target, block_size=block_size, num_hidden_layers=layers, markov_head_type=head,
+                           markov_rank=rank, enable_confidence_head=confidence)
+    torch.manual_seed(seed)
+    model = DSparkModel(cfg)
+    model.reset_parameters(std)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.2 * torch.randn_like(p))
+    return DSparkDrafter(model.to(target.model.dtype).requires_grad_(False), target)

@@ -19,6 +19,6 @@ def load_drafter(spec: str | None, target, num_draft_tokens: int | None = None) 
     path = Path(spec).expanduser()
     if not path.exists():
         raise DsparkError(f"drafter {spec!r} is neither a known drafter ({DRAFTER_CHOICES}) nor an existing path")
-    if not (path / "config.json").is_file():
-        raise DsparkError(f"{path} is not a drafter checkpoint directory (no config.json)")
-    raise DsparkError(f"{path}: trained drafter checkpoints are not supported by this version of dspark yet")
+    from dspark.draft.checkpoint import load_dspark_drafter
+
+    return load_dspark_drafter(path, target, num_draft_tokens)

@@ -75,10 +75,13 @@ class TargetConfig:
             eos_token_ids=eos_ids,
         )
 
+    @staticmethod
+    def hf_architecture(family: str) -> str:
+        return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+
     def to_hf_dict(self) -> dict[str, Any]:
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.family]
         return {
-            "architectures": [arch],
+            "architectures": [self.hf_architecture(self.family)],
             "model_type": self.family,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,

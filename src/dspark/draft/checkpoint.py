@@ -1,0 +1,192 @@
+"""Drafter checkpoints: a directory with `config.json` + `model.safetensors` (DESIGN.md §8).
+
+The target's embedding and LM head are never stored (the drafter shares the target's), except by
+`export_drafter`, which adds the copies DeepSpec-style tools expect. Loading accepts those copies
+and drops them. Every load validates the drafter against the target it is meant to serve.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from dspark.draft.config import DraftConfig, default_tap_layers
+from dspark.draft.dspark import DSparkDrafter, DSparkModel
+from dspark.errors import DsparkError
+
+WEIGHTS = "model.safetensors"
+SHARED_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # the target's, written only on export
+_PROBE_ROWS = 16
+
+
+def target_probe(target_model) -> list[float]:
+    """L2 norms of a few embedding rows: tells one target's weights from another's, in any dtype."""
+    emb = target_model.embed_tokens
+    rows = torch.linspace(0, emb.shape[0] - 1, _PROBE_ROWS).long()
+    return [float(f"{x:.6g}") for x in emb[rows].float().norm(dim=-1).tolist()]
+
+
+def default_mask_token_id(target) -> int:
+    """A token the target never produces: an unused embedding row if there is one, else the
+    highest-id special token that is not BOS/EOS (for SmolLM2: `<empty_output>`)."""
+    vocab = target.cfg.vocab_size
+    tok = target.tokenizer
+    if tok is None:
+        return vocab - 1
+    if len(tok) < vocab:
+        return len(tok)
+    reserved = set(target.eos_token_ids) | {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id}
+    for text in ("<|im_start|>", "<|im_end|>"):  # chat-template tokens are produced in chats
+        reserved.add(tok.convert_tokens_to_ids(text))
+    candidates = [i for i in tok.all_special_ids if i not in reserved and 0 <= i < vocab]
+    if not candidates:
+        raise DsparkError("cannot pick a mask token for this target: pass --mask-token-id")
+    return max(candidates)
+
+
+def new_draft_config(target, **options) -> DraftConfig:
+    """A drafter config for `target`; unset options get defaults (5 spread taps, mask token)."""
+    opts = {k: v for k, v in options.items() if v is not None}
+    opts.setdefault("target_layer_ids", default_tap_layers(target.cfg.num_hidden_layers))
+    opts.setdefault("mask_token_id", default_mask_token_id(target))
+    return DraftConfig(target=target.cfg, **opts)
+
+
+def _write_dir(out: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Write config + weights to a temporary sibling directory, then rename it into place."""
+    out = out.expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp / WEIGHTS, metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_drafter(
+    model: DSparkModel, out: str | Path, target=None, dtype: torch.dtype | None = None, extra: dict | None = None
+) -> Path:
+    """Save `model` (weights in `dtype`, default: as they are) to the directory `out`.
+
+    `target` (optional) records a probe of its weights so that loading against another target
+    with the same shapes still fails; `extra` adds fields to config.json (e.g. calibration)."""
+    config = model.cfg.to_dict()
+    config["torch_dtype"] = str(dtype or model.dtype).removeprefix("torch.")
+    if target is not None:
+        config["dspark_target_probe"] = target_probe(target.model)
+    config.update(extra or {})
+    tensors = {k: v.to(dtype) if dtype else v for k, v in model.state_dict().items()}
+    _write_dir(Path(out), config, tensors)
+    return Path(out)
+
+
+def read_config(path: str | Path) -> dict:
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise DsparkError(f"drafter checkpoint {path} does not exist or is not a directory")
+    try:
+        return json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise DsparkError(f"{path} is not a drafter checkpoint directory (no config.json)") from None
+    except json.JSONDecodeError as e:
+        raise DsparkError(f"{path / 'config.json'} is not valid JSON: {e}") from None
+
+
+def check_against_target(cfg: DraftConfig, raw: dict, target, path: Path) -> None:
+    """Fail clearly when the drafter was made for another target."""
+    t, d = target.cfg, cfg.target
+    problems = [
+        f"{name} {mine} vs the target's {theirs}"
+        for name, mine, theirs in [
+            ("hidden size", d.hidden_size, t.hidden_size),
+            ("vocabulary size", d.vocab_size, t.vocab_size),
+            ("number of target layers", d.num_hidden_layers, t.num_hidden_layers),
+            ("model family", d.family, t.family),
+        ]
+        if mine != theirs
+    ]
+    bad_taps = [i for i in cfg.target_layer_ids if i >= t.num_hidden_layers]
+    if bad_taps:
+        problems.append(f"tapped layers {bad_taps} do not exist in the {t.num_hidden_layers}-layer target")
+    probe = raw.get("dspark_target_probe")
+    if not problems and probe is not None:
+        mine = torch.tensor(probe)
+        theirs = torch.tensor(target_probe(target.model))
+        if mine.shape != theirs.shape or not torch.allclose(mine, theirs, rtol=1e-2, atol=1e-4):
+            problems.append("its embedding probe differs (same shapes, different weights)")
+    if problems:
+        raise DsparkError(
+            f"drafter {path} was made for a different target than {target.path}: {'; '.join(problems)}. "
+            "Use the target it was trained for (--model), or train/init a drafter for this one."
+        )
+
+
+def load_model(path: str | Path, target) -> tuple[DSparkModel, dict]:
+    """Load and validate a drafter checkpoint for `target`; returns the model (in the target's
+    dtype and device) and the raw config dict."""
+    path = Path(path).expanduser()
+    raw = read_config(path)
+    cfg = DraftConfig.from_dict(raw)
+    check_against_target(cfg, raw, target, path)
+    try:
+        tensors = load_file(path / WEIGHTS)
+    except FileNotFoundError:
+        raise DsparkError(f"{path} has no {WEIGHTS}") from None
+    except SafetensorError as e:
+        raise DsparkError(f"{path / WEIGHTS} is not a readable safetensors file: {e}") from None
+    for name in SHARED_TENSORS:
+        tensors.pop(name, None)
+    model = DSparkModel(cfg)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong = [f"{k} {tuple(tensors[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items()
+             if k in tensors and tensors[k].shape != v.shape]
+    if missing or unexpected or wrong:
+        detail = "; ".join(
+            f"{what}: {', '.join(items[:5])}{' ...' if len(items) > 5 else ''}"
+            for what, items in [("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)]
+            if items
+        )
+        raise DsparkError(f"{path / WEIGHTS} does not match its config.json ({detail})")
+    model.load_state_dict(tensors)
+    model.to(device=target.model.device, dtype=target.model.dtype)
+    model.requires_grad_(False)
+    return model, raw
+
+
+def load_dspark_drafter(path: str | Path, target, num_draft_tokens: int | None = None) -> DSparkDrafter:
+    model, _ = load_model(path, target)
+    g = model.cfg.block_size
+    if num_draft_tokens is not None and num_draft_tokens > g:
+        raise DsparkError(f"--num-draft-tokens {num_draft_tokens} exceeds the drafter's block size {g}")
+    return DSparkDrafter(model, target, num_draft_tokens)
+
+
+def export_drafter(path: str | Path, target, out: str | Path) -> Path:
+    """Copy a checkpoint to `out`, adding the target's embedding and LM head (for DeepSpec-style tools)."""
+    path = Path(path).expanduser()
+    load_model(path, target)  # validates
+    raw = read_config(path)
+    tensors = load_file(path / WEIGHTS)
+    dtype = next(iter(tensors.values())).dtype
+    tensors["embed_tokens.weight"] = target.model.embed_tokens.detach().to(dtype).clone()
+    tensors["lm_head.weight"] = target.model.lm_head.detach().to(dtype).clone()  # a copy even when tied
+    _write_dir(Path(out), raw, tensors)
+    return Path(out)

@@ -1,0 +1,124 @@
+"""Drafter configuration: what `config.json` of a drafter checkpoint holds (DESIGN.md §8)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dspark.errors import DsparkError
+from dspark.target.config import TargetConfig
+
+HEAD_TYPES = ("vanilla", "gated", "rnn", "none")  # "none" = DFlash mode (no sequential head)
+_ARCH_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+def default_tap_layers(num_target_layers: int, count: int = 5) -> list[int]:
+    """`count` layer ids spread over the depth, never the last layer (DFlash's spread: 1 .. L-3)."""
+    if num_target_layers < 2:
+        raise DsparkError("the target needs at least 2 decoder layers to tap features from")
+    lo, hi = (1, num_target_layers - 3) if num_target_layers >= 6 else (0, num_target_layers - 2)
+    count = min(count, hi - lo + 1)
+    if count == 1:
+        return [hi]
+    return sorted({round(lo + i * (hi - lo) / (count - 1)) for i in range(count)})
+
+
+def _target_architecture(d: dict) -> str:
+    """HF architecture of the target a drafter config was made for (from its own architecture name)."""
+    for arch in d.get("architectures") or []:
+        for family, prefix in _ARCH_PREFIX.items():
+            if arch.startswith(prefix) and arch.removeprefix(prefix) in ("DSparkModel", "DFlashModel"):
+                return TargetConfig.hf_architecture(family)
+    if d.get("model_type") in _ARCH_PREFIX:
+        return TargetConfig.hf_architecture(d["model_type"])
+    raise DsparkError(f"not a dspark/DFlash drafter config (architectures={d.get('architectures')!r})")
+
+
+@dataclasses.dataclass
+class DraftConfig:
+    target: TargetConfig  # shape of the target (the draft layers copy it)
+    target_layer_ids: list[int]
+    block_size: int = 8  # γ: draft tokens per block (the anchor is slot 0)
+    num_hidden_layers: int = 1  # draft layers
+    markov_head_type: str = "vanilla"
+    markov_rank: int = 32
+    enable_confidence_head: bool = True
+    mask_token_id: int = 0
+    num_anchors: int = 32  # training default: anchors sampled per sequence
+
+    def __post_init__(self):
+        L = self.target.num_hidden_layers
+        if self.block_size < 2:
+            raise DsparkError(f"block size must be >= 2, got {self.block_size}")
+        if self.num_hidden_layers < 1:
+            raise DsparkError(f"a drafter needs >= 1 layer, got {self.num_hidden_layers}")
+        if self.markov_head_type not in HEAD_TYPES:
+            raise DsparkError(f"unknown head type {self.markov_head_type!r}; choose one of {', '.join(HEAD_TYPES)}")
+        if self.has_sequential_head and self.markov_rank < 1:
+            raise DsparkError(f"markov rank must be >= 1 for a {self.markov_head_type} head, got {self.markov_rank}")
+        if not self.target_layer_ids:
+            raise DsparkError("a drafter needs at least one tapped target layer")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < L]
+        if bad:
+            raise DsparkError(f"tapped layer ids {bad} are out of range for a {L}-layer target (valid: 0..{L - 1})")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise DsparkError(f"tapped layer ids repeat: {self.target_layer_ids}")
+        if not 0 <= self.mask_token_id < self.target.vocab_size:
+            raise DsparkError(f"mask token id {self.mask_token_id} is outside the vocabulary (0..{self.target.vocab_size - 1})")
+
+    @property
+    def has_sequential_head(self) -> bool:
+        return self.markov_head_type != "none"
+
+    @property
+    def head_rank(self) -> int:
+        """Width of the previous-token embedding W1 (0 without a sequential head)."""
+        return self.markov_rank if self.has_sequential_head else 0
+
+    @property
+    def dflash(self) -> bool:
+        return not self.has_sequential_head and not self.enable_confidence_head
+
+    def to_dict(self) -> dict:
+        t = self.target
+        arch = _ARCH_PREFIX[t.family] + ("DFlashModel" if self.dflash else "DSparkModel")
+        d = {k: v for k, v in t.to_hf_dict().items() if k not in ("architectures", "num_hidden_layers")}
+        d.update(
+            architectures=[arch],
+            block_size=self.block_size,
+            mask_token_id=self.mask_token_id,
+            target_layer_ids=list(self.target_layer_ids),
+            num_target_layers=t.num_hidden_layers,
+            num_hidden_layers=self.num_hidden_layers,
+            markov_rank=self.head_rank,
+            markov_head_type=self.markov_head_type,
+            enable_confidence_head=self.enable_confidence_head,
+            confidence_head_with_markov=self.enable_confidence_head and self.has_sequential_head,
+            num_anchors=self.num_anchors,
+        )
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DraftConfig":
+        try:
+            target = TargetConfig.from_hf_dict(
+                dict(d, architectures=[_target_architecture(d)], num_hidden_layers=d["num_target_layers"])
+            )
+            head = d.get("markov_head_type", "vanilla")
+            rank = int(d.get("markov_rank", 0))
+            if rank == 0:
+                head = "none"
+            return cls(
+                target=target,
+                target_layer_ids=[int(i) for i in d["target_layer_ids"]],
+                block_size=int(d["block_size"]),
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                markov_head_type=head,
+                markov_rank=rank,
+                enable_confidence_head=bool(d.get("enable_confidence_head", False)),
+                mask_token_id=int(d["mask_token_id"]),
+                num_anchors=int(d.get("num_anchors", 32)),
+            )
+        except KeyError as e:
+            raise DsparkError(f"drafter config.json lacks the field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise DsparkError(f"drafter config.json has an invalid value: {e}") from None

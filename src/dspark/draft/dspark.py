@@ -1,0 +1,297 @@
+"""The DSpark drafter (DESIGN.md §3): a DFlash-style parallel block backbone conditioned on target
+features, plus the sequential and confidence heads.
+
+`DSparkModel` holds the trainable weights and both forward paths:
+  * training: many anchors per sequence packed into one forward under a block attention mask,
+    heads teacher-forced (`forward_train`);
+  * inference: `DSparkDrafter` keeps an incremental KV cache of the context and samples each
+    block semi-autoregressively (`propose`).
+The target's token embedding and LM head are shared and frozen: they are passed in (training) or
+read from the target (inference), never stored in the module.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.decode.sampling import SamplingParams, probs_from_logits, sample
+from dspark.draft.base import DraftBlock, Drafter
+from dspark.draft.config import DraftConfig
+from dspark.draft.heads import ConfidenceHead, SequentialHead
+from dspark.target.config import TargetConfig
+from dspark.target.model import apply_rope, rms_norm
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class DraftAttention(nn.Module):
+    """Target-shaped attention whose keys/values cover [context features ; block tokens]."""
+
+    def __init__(self, t: TargetConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = t.num_attention_heads, t.num_key_value_heads, t.head_dim
+        self.q_proj = nn.Linear(t.hidden_size, self.nh * self.hd, bias=t.attention_bias)
+        self.k_proj = nn.Linear(t.hidden_size, self.nkv * self.hd, bias=t.attention_bias)
+        self.v_proj = nn.Linear(t.hidden_size, self.nkv * self.hd, bias=t.attention_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, t.hidden_size, bias=False)
+        if t.qk_norm:
+            self.q_norm = RMSNorm(self.hd, t.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, t.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(*x.shape[:-1], n, self.hd).transpose(-2, -3)  # [B, n, q, hd]
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, q, H] -> RoPE'd keys and values [B, nkv, q, hd]."""
+        k = self._heads(self.k_proj(x), self.nkv)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k, cos, sin), self._heads(self.v_proj(x), self.nkv)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+        q = self._heads(self.q_proj(x), self.nh)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rope(q, cos, sin)
+        k, v = self.keys_values(x, cos, sin)
+        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nkv != self.nh)
+        return self.o_proj(out.transpose(1, 2).flatten(-2))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, t: TargetConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(t.hidden_size, t.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(t.hidden_size, t.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(t.intermediate_size, t.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, t: TargetConfig):
+        super().__init__()
+        self.self_attn = DraftAttention(t)
+        self.mlp = DraftMLP(t)
+        self.input_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DSparkModel(nn.Module):
+    """Trainable drafter weights; tensor names follow the DeepSpec layout (DESIGN.md §8)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        t = cfg.target
+        H = t.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, t.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(t) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(H, t.rms_norm_eps)
+        self.markov_head = (
+            SequentialHead(cfg.markov_head_type, t.vocab_size, H, cfg.markov_rank) if cfg.has_sequential_head else None
+        )
+        self.confidence_head = ConfidenceHead(H, cfg.head_rank) if cfg.enable_confidence_head else None
+        inv_freq = 1.0 / (t.rope_theta ** (torch.arange(0, t.head_dim, 2, dtype=torch.int64).float() / t.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """HF-style init: normal(0, std) matrices, zero biases, unit norms."""
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, std)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    # ---- shared pieces -------------------------------------------------------------------------
+    def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos [B, q] absolute positions -> cos, sin [B, 1, q, hd] (same values as the target's tables)."""
+        emb = pos.float()[..., None] * self.inv_freq
+        emb = torch.cat((emb, emb), dim=-1)
+        return emb.cos().to(self.dtype)[:, None], emb.sin().to(self.dtype)[:, None]
+
+    def context(self, taps: torch.Tensor) -> torch.Tensor:
+        """Tapped target features [..., m, H] -> context features H_ctx [..., H]."""
+        return self.hidden_norm(self.fc(taps.flatten(-2).to(self.dtype)))
+
+    def context_kv(self, ctx: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per draft layer, keys and values [B, nkv, n, hd] of context features ctx [B, n, H]."""
+        cos, sin = self.rope(pos)
+        return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
+
+    def block_hidden(self, x: torch.Tensor, pos: torch.Tensor, ctx_kv, mask: torch.Tensor | None) -> torch.Tensor:
+        """Embedded block tokens x [B, q, H] at positions pos [B, q] -> final hidden states h [B, q, H]."""
+        cos, sin = self.rope(pos)
+        for layer, (ck, cv) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, ck, cv, mask)
+        return self.norm(x)
+
+    def apply_heads(
+        self, h: torch.Tensor, base_logits: torch.Tensor, prev: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Teacher-forced heads: h [..., γ, H], U [..., γ, V], prev [..., γ] -> (logits, confidence logits)."""
+        logits, prev_embed = base_logits, None
+        if self.markov_head is not None:
+            bias, prev_embed = self.markov_head.teacher_forced(h, prev)
+            logits = base_logits + bias.to(base_logits.dtype)
+        conf = self.confidence_head(h, prev_embed) if self.confidence_head is not None else None
+        return logits, conf
+
+    # ---- training path -------------------------------------------------------------------------
+    def forward_train(
+        self,
+        taps: torch.Tensor,
+        anchors: torch.Tensor,
+        prev_tokens: torch.Tensor,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """All anchors of a batch of sequences in one forward.
+
+        taps [B, S, m, H]: tapped target features of every position; anchors [B, A]: anchor
+        positions (any value for padding slots: they see no context and are masked out of the loss
+        by the caller); prev_tokens [B, A, γ]: teacher-forced previous tokens, prev[..., 0] is the
+        anchor token and prev[..., k] the true token at anchor + k.
+        Returns logits [B, A, γ, V] (slot k predicts position anchor + k + 1) and confidence logits
+        [B, A, γ] (None without a confidence head).
+        """
+        B, S = taps.shape[:2]
+        A, g = anchors.shape[1], self.cfg.block_size
+        dev = taps.device
+        if taps.is_inference():  # target features computed under inference_mode
+            taps = taps.clone()
+        ctx = self.context(taps)
+        ctx_kv = self.context_kv(ctx, torch.arange(S, device=dev).expand(B, S))
+
+        block_ids = torch.full((B, A, g), self.cfg.mask_token_id, dtype=torch.long, device=dev)
+        block_ids[..., 0] = prev_tokens[..., 0]
+        x = F.embedding(block_ids.flatten(1), embed_weight).to(self.dtype)
+        pos = (anchors[..., None] + torch.arange(g, device=dev)).flatten(1)  # [B, A*γ]
+        # context strictly before the anchor; bidirectional inside the own block only
+        sees_ctx = torch.arange(S, device=dev)[None, None, :] < anchors[..., None]  # [B, A, S]
+        sees_ctx = sees_ctx.repeat_interleave(g, dim=1)  # [B, A*γ, S]
+        block_of = torch.arange(A * g, device=dev) // g
+        sees_block = (block_of[:, None] == block_of[None, :]).expand(B, -1, -1)
+        mask = torch.cat([sees_ctx, sees_block], dim=-1)[:, None]  # [B, 1, A*γ, S + A*γ]
+
+        h = self.block_hidden(x, pos, ctx_kv, mask).view(B, A, g, -1)
+        base = F.linear(h, lm_head_weight.to(h.dtype))
+        return self.apply_heads(h, base, prev_tokens)
+
+
+class DSparkDrafter(Drafter):
+    """Inference wrapper: incremental context KV cache + the semi-autoregressive sampling loop."""
+
+    def __init__(self, model: DSparkModel, target, num_draft_tokens: int | None = None):
+        self.model = model.eval()
+        self.target = target
+        self.cfg = model.cfg
+        self.tap_layers = tuple(model.cfg.target_layer_ids)
+        self.block_size = model.cfg.block_size
+        self.num_draft_tokens = min(num_draft_tokens or self.block_size, self.block_size)
+        self._kv: list[list[torch.Tensor]] = []  # per layer [k, v] buffers [1, nkv, capacity, hd]
+        self.length = 0  # committed context positions held in the cache
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        m = self.model
+        attn = m.layers[0].self_attn
+        empty = lambda: torch.empty(1, attn.nkv, 0, attn.hd, dtype=m.dtype, device=m.inv_freq.device)
+        self._kv = [[empty(), empty()] for _ in m.layers]
+        self.length = 0
+
+    @torch.inference_mode()
+    def observe(self, tokens: list[int], taps: torch.Tensor | None) -> None:
+        n, end = taps.shape[0], self.length + taps.shape[0]
+        pos = torch.arange(self.length, end, device=taps.device)[None]
+        new = self.model.context_kv(self.model.context(taps[None]), pos)
+        for buf, kv in zip(self._kv, new):
+            for i, t in enumerate(kv):
+                if end > buf[i].shape[2]:  # grow geometrically
+                    grown = t.new_empty(*t.shape[:2], max(2 * end, 64), t.shape[3])
+                    grown[:, :, : self.length] = buf[i][:, :, : self.length]
+                    buf[i] = grown
+                buf[i][:, :, self.length : end] = t
+        self.length = end
+
+    @torch.inference_mode()
+    def block_outputs(self, anchor: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Backbone pass for the block [anchor, MASK x (γ-1)] at positions length..length+γ-1.
+
+        Returns hidden states h [num_slots, H] and base logits U [num_slots, V] (fp32)."""
+        g, n = self.block_size, self.length
+        dev = self.model.inv_freq.device
+        ids = torch.tensor([[anchor] + [self.cfg.mask_token_id] * (g - 1)], device=dev)
+        pos = torch.arange(n, n + g, device=dev)[None]
+        ctx_kv = [(k[:, :, :n], v[:, :, :n]) for k, v in self._kv]
+        h = self.model.block_hidden(self.target.model.embed(ids), pos, ctx_kv, None)[0, :num_slots]
+        return h, self.target.model.logits(h)
+
+    @torch.inference_mode()
+    def run_heads(
+        self, h: torch.Tensor, base_logits: torch.Tensor, anchor: int, pick: Callable[[torch.Tensor], list[int]]
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+        """The sequential stage: logits_k = U_k + B(prev_k, ...), and `pick` chooses d_k from them.
+
+        `pick` maps logits [k, V] to k tokens; without a sequential head every slot is picked at once.
+        Returns the chosen tokens, the logits they were chosen from [slots, V] and confidence logits."""
+        head, conf_head = self.model.markov_head, self.model.confidence_head
+        if head is None:
+            conf = conf_head(h, None) if conf_head is not None else None
+            return pick(base_logits), base_logits, conf
+        tokens, rows, embeds = [], [], []
+        prev, state = torch.tensor(anchor, device=h.device), head.initial_state(h[0])
+        for k in range(h.shape[0]):
+            bias, e, state = head.step(h[k], prev, state)
+            logits = base_logits[k : k + 1] + bias.float()
+            tok = pick(logits)[0]
+            tokens.append(tok)
+            rows.append(logits)
+            embeds.append(e)
+            prev = torch.tensor(tok, device=h.device)
+        conf = conf_head(h, torch.stack(embeds)) if conf_head is not None else None
+        return tokens, torch.cat(rows), conf
+
+    def propose(
+        self, anchor: int, max_tokens: int, params: SamplingParams, generator: torch.Generator
+    ) -> DraftBlock:
+        h, base = self.block_outputs(anchor, min(self.num_draft_tokens, max_tokens))
+        probs: list[torch.Tensor] = []
+
+        def pick(logits: torch.Tensor) -> list[int]:
+            if params.greedy:
+                return logits.argmax(-1).tolist()
+            p = probs_from_logits(logits, params)
+            probs.append(p)
+            return sample(p, torch.rand(p.shape[0], generator=generator)).tolist()
+
+        tokens, _, conf = self.run_heads(h, base, anchor, pick)
+        return DraftBlock(tokens, torch.cat(probs) if probs else None, None if conf is None else conf.float())

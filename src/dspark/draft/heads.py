@@ -1,0 +1,76 @@
+"""The heads on top of the block backbone: sequential (Markov / gated Markov / RNN) and confidence.
+
+Every head works slot by slot through `step` (inference: the previous token was just sampled)
+or over whole blocks through `teacher_forced` (training: previous tokens are the ground truth).
+Both call the same arithmetic, so the two paths agree by construction for the stateless Markov
+heads, and by the same recurrence for the RNN head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class SequentialHead(nn.Module):
+    """Adds a bias B(prev_k, ...) to the base logits U_k of block slot k (DESIGN.md §3)."""
+
+    def __init__(self, kind: str, vocab_size: int, hidden_size: int, rank: int):
+        super().__init__()
+        if kind not in ("vanilla", "gated", "rnn"):
+            raise ValueError(kind)
+        self.kind, self.rank = kind, rank
+        self.markov_w1 = nn.Embedding(vocab_size, rank)  # W1: previous-token lookup
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)  # W2: rank -> vocabulary bias
+        if kind == "gated":
+            self.markov_gate = nn.Linear(hidden_size + rank, rank)
+        elif kind == "rnn":
+            z = 2 * rank + hidden_size  # [s_{k-1}; W1[prev]; h]
+            self.rnn_cell = nn.Linear(z, rank)
+            self.rnn_gate = nn.Linear(z, rank)
+            self.rnn_out = nn.Linear(z, rank)
+
+    def initial_state(self, h: torch.Tensor) -> torch.Tensor | None:
+        """s_{-1} = 0 for the RNN head, shaped like one slot of `h` [..., H] -> [..., r]."""
+        return h.new_zeros(*h.shape[:-1], self.rank) if self.kind == "rnn" else None
+
+    def step(
+        self, h: torch.Tensor, prev: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One slot: h [..., H], prev [...] -> (bias [..., V], W1[prev] [..., r], next state)."""
+        e = self.markov_w1(prev)
+        if self.kind == "vanilla":
+            return self.markov_w2(e), e, None
+        if self.kind == "gated":
+            gate = torch.sigmoid(self.markov_gate(torch.cat([h, e], dim=-1)))
+            return self.markov_w2(gate * e), e, None
+        z = torch.cat([state, e, h], dim=-1)
+        g = torch.sigmoid(self.rnn_gate(z))
+        new_state = g * state + (1 - g) * torch.tanh(self.rnn_cell(z))
+        return self.markov_w2(torch.tanh(self.rnn_out(z))), e, new_state
+
+    def teacher_forced(self, h: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole blocks: h [..., γ, H], prev [..., γ] -> (bias [..., γ, V], W1[prev] [..., γ, r])."""
+        if self.kind != "rnn":  # stateless: every slot at once
+            bias, e, _ = self.step(h, prev, None)
+            return bias, e
+        state = self.initial_state(h[..., 0, :])
+        biases, embeds = [], []
+        for k in range(h.shape[-2]):
+            bias, e, state = self.step(h[..., k, :], prev[..., k], state)
+            biases.append(bias)
+            embeds.append(e)
+        return torch.stack(biases, dim=-2), torch.stack(embeds, dim=-2)
+
+
+class ConfidenceHead(nn.Module):
+    """z_k = w·[h_k ; W1[prev_k]] + b (on h_k alone without a sequential head); c_k = σ(z_k)."""
+
+    def __init__(self, hidden_size: int, rank: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size + rank, 1)
+
+    def forward(self, h: torch.Tensor, prev_embed: torch.Tensor | None) -> torch.Tensor:
+        x = h if prev_embed is None else torch.cat([h, prev_embed], dim=-1)
+        return self.proj(x).squeeze(-1)
+
