@@ -82,3 +82,18 @@ def test_streaming_output_and_stats_line():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
     assert "[dspark]" in proc.stderr and "tok/s" in proc.stderr
+
+
+def test_draft_init_then_generate_with_it_matches_plain_greedy(tmp_path):
+    """The embedded target end to end: a fresh random drafter plugs into `generate --drafter PATH`."""
+    r = run_cli("draft", "init", "--out", str(tmp_path / "d"), "--block-size", "4", "--markov-rank", "8")
+    assert r.returncode == 0, r.stderr
+    outs = []
+    for drafter in [str(tmp_path / "d"), "none"]:
+        r = run_cli("generate", "--prompt", "Name two planets.", "--max-new-tokens", "24", "--dtype", "float32",
+                    "--drafter", drafter, "--json")
+        assert r.returncode == 0, r.stderr
+        outs.append(json.loads(r.stdout))
+    assert outs[0]["token_ids"] == outs[1]["token_ids"]
+    r = run_cli("generate", "--prompt", "hi", "--drafter", str(tmp_path / "d"), "--num-draft-tokens", "9")
+    assert_clean_error(r, "exceeds the drafter's block size 4")

@@ -56,12 +56,104 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="float32 | bfloat16 | auto (default: bf16 on CPUs with native bf16 matrix units, else fp32)",
     )
-    g.add_argument("--drafter", default="prompt-lookup", help="none | prompt-lookup | PATH (default prompt-lookup)")
+    g.add_argument("--drafter", default="prompt-lookup",
+                   help="none | prompt-lookup | PATH to a drafter checkpoint (default prompt-lookup)")
     g.add_argument("--num-draft-tokens", type=_positive_int, default=None, help="max draft tokens per round")
     g.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all cores)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("draft", help="create and export drafter checkpoints",
+                       description="Create and export DSpark / DFlash drafter checkpoints.")
+    dsub = d.add_subparsers(dest="draft_command", metavar="ACTION", parser_class=_Parser)
+    dsub.required = True
+    init = dsub.add_parser(
+        "init",
+        help="write a randomly initialised drafter for a target",
+        description="Write a randomly initialised drafter (config.json + model.safetensors) shaped for "
+        "a target: the starting point for `dspark train`. The target's embedding and LM head are "
+        "shared, not copied.",
+    )
+    init.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
+    init.add_argument("--out", required=True, help="output checkpoint directory")
+    init.add_argument("--head", default="markov", choices=["markov", "vanilla", "gated", "rnn", "none"],
+                      help="sequential head: markov (= vanilla), gated, rnn, or none (DFlash mode) (default markov)")
+    init.add_argument("--block-size", type=_positive_int, default=8, help="draft tokens per block, γ (default 8)")
+    init.add_argument("--layers", type=_positive_int, default=1, help="draft decoder layers (default 1)")
+    init.add_argument("--tap-layers", default=None, metavar="IDS",
+                      help="comma-separated target layer ids to tap (default: 5 spread over the depth, never the last)")
+    init.add_argument("--markov-rank", type=_positive_int, default=32, help="rank r of the sequential head (default 32)")
+    init.add_argument("--mask-token-id", type=int, default=None,
+                      help="token id used for MASK slots (default: an unused row or an unused special token)")
+    init.add_argument("--confidence-head", action=argparse.BooleanOptionalAction, default=None,
+                      help="add a confidence head (default: yes, except with --head none)")
+    init.add_argument("--dtype", default="float32", help="weights dtype on disk: float32 | bfloat16 (default float32)")
+    init.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
+    init.set_defaults(func=cmd_draft_init)
+    exp = dsub.add_parser(
+        "export",
+        help="copy a drafter adding the target's embedding and LM head (DeepSpec layout)",
+        description="Copy a drafter checkpoint and add `embed_tokens.weight` and `lm_head.weight` (copies of "
+        "the target's), as DeepSpec-style tools expect. dspark itself never needs them.",
+    )
+    exp.add_argument("--drafter", required=True, help="drafter checkpoint directory")
+    exp.add_argument("--out", required=True, help="output directory")
+    exp.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
+    exp.set_defaults(func=cmd_draft_export)
     return parser
+
+
+def _tap_layers(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise DsparkError(f"--tap-layers expects comma-separated integers, got {text!r}") from None
+
+
+def cmd_draft_init(args) -> int:
+    import torch
+
+    from dspark.draft.checkpoint import new_draft_config, save_drafter
+    from dspark.draft.dspark import DSparkModel
+    from dspark.target.loading import load_target, parse_dtype
+
+    dtype = parse_dtype(args.dtype)
+    head = "vanilla" if args.head == "markov" else args.head
+    confidence = args.confidence_head if args.confidence_head is not None else head != "none"
+    taps = _tap_layers(args.tap_layers)
+    target = load_target(args.model, dtype=torch.float32, pack=False, require_tokenizer=False)
+    cfg = new_draft_config(
+        target,
+        block_size=args.block_size,
+        num_hidden_layers=args.layers,
+        target_layer_ids=taps,
+        markov_head_type=head,
+        markov_rank=args.markov_rank,
+        enable_confidence_head=confidence,
+        mask_token_id=args.mask_token_id,
+    )
+    torch.manual_seed(args.seed)
+    model = DSparkModel(cfg)
+    out = save_drafter(model, args.out, target=target, dtype=dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"wrote {out}: {cfg.to_dict()['architectures'][0]}, head {head}, block {cfg.block_size}, "
+          f"{cfg.num_hidden_layers} layer(s), taps {cfg.target_layer_ids}, mask token {cfg.mask_token_id}, "
+          f"{n_params / 1e6:.2f}M parameters")
+    return 0
+
+
+def cmd_draft_export(args) -> int:
+    import torch
+
+    from dspark.draft.checkpoint import export_drafter
+    from dspark.target.loading import load_target
+
+    target = load_target(args.model, dtype=torch.float32, pack=False, require_tokenizer=False)
+    out = export_drafter(args.drafter, target, args.out)
+    print(f"wrote {out} (with embed_tokens.weight and lm_head.weight)")
+    return 0
 
 
 def cmd_generate(args) -> int:

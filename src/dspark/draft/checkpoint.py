@@ -27,15 +27,17 @@ _PROBE_ROWS = 16
 
 
 def target_probe(target_model) -> list[float]:
-    """L2 norms of a few embedding rows: tells one target's weights from another's, in any dtype."""
-    emb = target_model.embed_tokens
-    rows = torch.linspace(0, emb.shape[0] - 1, _PROBE_ROWS).long()
-    return [float(f"{x:.6g}") for x in emb[rows].float().norm(dim=-1).tolist()]
+    """L2 norms of a few rows of the shared embedding and LM head: tells one target's weights from
+    another's of the same shape, whatever the dtype they were loaded in."""
+    rows = torch.linspace(0, target_model.cfg.vocab_size - 1, _PROBE_ROWS).long()
+    norms = torch.cat([w[rows].float().norm(dim=-1) for w in (target_model.embed_tokens, target_model.lm_head)])
+    return [float(f"{x:.6g}") for x in norms.tolist()]
 
 
 def default_mask_token_id(target) -> int:
     """A token the target never produces: an unused embedding row if there is one, else the
-    highest-id special token that is not BOS/EOS (for SmolLM2: `<empty_output>`)."""
+    highest-id added special token that is not BOS/EOS/PAD or a chat-template marker (for SmolLM2:
+    `<empty_output>`)."""
     vocab = target.cfg.vocab_size
     tok = target.tokenizer
     if tok is None:
@@ -45,7 +47,8 @@ def default_mask_token_id(target) -> int:
     reserved = set(target.eos_token_ids) | {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id}
     for text in ("<|im_start|>", "<|im_end|>"):  # chat-template tokens are produced in chats
         reserved.add(tok.convert_tokens_to_ids(text))
-    candidates = [i for i in tok.all_special_ids if i not in reserved and 0 <= i < vocab]
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    candidates = [i for i in special if i not in reserved and 0 <= i < vocab]
     if not candidates:
         raise DsparkError("cannot pick a mask token for this target: pass --mask-token-id")
     return max(candidates)
@@ -67,6 +70,11 @@ def _write_dir(out: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Non
     try:
         save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp / WEIGHTS, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        for p in (tmp / WEIGHTS, tmp / "config.json"):
+            os.chmod(p, 0o666 & ~umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)
@@ -129,7 +137,7 @@ def check_against_target(cfg: DraftConfig, raw: dict, target, path: Path) -> Non
         mine = torch.tensor(probe)
         theirs = torch.tensor(target_probe(target.model))
         if mine.shape != theirs.shape or not torch.allclose(mine, theirs, rtol=1e-2, atol=1e-4):
-            problems.append("its embedding probe differs (same shapes, different weights)")
+            problems.append("its embedding / LM-head probe differs (same shapes, different weights)")
     if problems:
         raise DsparkError(
             f"drafter {path} was made for a different target than {target.path}: {'; '.join(problems)}. "

@@ -2,8 +2,8 @@
 
 Every head works slot by slot through `step` (inference: the previous token was just sampled)
 or over whole blocks through `teacher_forced` (training: previous tokens are the ground truth).
-Both call the same arithmetic, so the two paths agree by construction for the stateless Markov
-heads, and by the same recurrence for the RNN head.
+Both run the same arithmetic; `step` stops in the rank-r space so the inference loop can apply
+W2 with its own fast kernel.
 """
 
 from __future__ import annotations
@@ -35,32 +35,29 @@ class SequentialHead(nn.Module):
         return h.new_zeros(*h.shape[:-1], self.rank) if self.kind == "rnn" else None
 
     def step(
-        self, h: torch.Tensor, prev: torch.Tensor, state: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """One slot: h [..., H], prev [...] -> (bias [..., V], W1[prev] [..., r], next state)."""
-        e = self.markov_w1(prev)
+        self, h: torch.Tensor, e: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One slot: h [..., H] and e = W1[prev] [..., r] -> (u [..., r], next state); the bias is W2·u."""
         if self.kind == "vanilla":
-            return self.markov_w2(e), e, None
+            return e, None
         if self.kind == "gated":
-            gate = torch.sigmoid(self.markov_gate(torch.cat([h, e], dim=-1)))
-            return self.markov_w2(gate * e), e, None
+            return torch.sigmoid(self.markov_gate(torch.cat([h, e], dim=-1))) * e, None
         z = torch.cat([state, e, h], dim=-1)
         g = torch.sigmoid(self.rnn_gate(z))
         new_state = g * state + (1 - g) * torch.tanh(self.rnn_cell(z))
-        return self.markov_w2(torch.tanh(self.rnn_out(z))), e, new_state
+        return torch.tanh(self.rnn_out(z)), new_state
 
     def teacher_forced(self, h: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole blocks: h [..., γ, H], prev [..., γ] -> (bias [..., γ, V], W1[prev] [..., γ, r])."""
+        e = self.markov_w1(prev)
         if self.kind != "rnn":  # stateless: every slot at once
-            bias, e, _ = self.step(h, prev, None)
-            return bias, e
+            return self.markov_w2(self.step(h, e, None)[0]), e
         state = self.initial_state(h[..., 0, :])
-        biases, embeds = [], []
+        us = []
         for k in range(h.shape[-2]):
-            bias, e, state = self.step(h[..., k, :], prev[..., k], state)
-            biases.append(bias)
-            embeds.append(e)
-        return torch.stack(biases, dim=-2), torch.stack(embeds, dim=-2)
+            u, state = self.step(h[..., k, :], e[..., k, :], state)
+            us.append(u)
+        return self.markov_w2(torch.stack(us, dim=-2)), e
 
 
 class ConfidenceHead(nn.Module):

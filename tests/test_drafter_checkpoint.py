@@ -1,0 +1,158 @@
+"""Drafter checkpoints: bit-exact round trip, DeepSpec-style export, clear errors on mismatch."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dspark.decode.sampling import SamplingParams
+from dspark.draft.checkpoint import export_drafter, load_dspark_drafter, load_model, save_drafter
+from dspark.draft.registry import load_drafter
+from dspark.errors import DsparkError
+from dspark.target.loading import load_target
+from helpers import make_random_dspark, make_tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_targets):
+    return {name: load_target(path, dtype=torch.float32, require_tokenizer=False) for name, path in tiny_targets}
+
+
+def _propose(drafter, target, seed=0):
+    tokens = list(range(5, 30))
+    out = target.model(torch.tensor([tokens]), target.model.new_cache(1, 64), taps=drafter.tap_layers)
+    drafter.begin(tokens)
+    drafter.observe(tokens, out.taps[0])
+    return drafter.propose(9, 99, SamplingParams(0.9), torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn", "none"])
+def test_save_then_load_is_bit_exact(tiny, tmp_path, head):
+    target = tiny["qwen3-tied"]
+    drafter = make_random_dspark(target, head, block_size=4, layers=2)
+    save_drafter(drafter.model, tmp_path / "d", target=target)
+    loaded = load_dspark_drafter(tmp_path / "d", target)
+    want, got = drafter.model.state_dict(), loaded.model.state_dict()
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    a, b = _propose(drafter, target), _propose(loaded, target)
+    assert a.tokens == b.tokens and torch.equal(a.probs, b.probs)
+    names = set(load_file(tmp_path / "d" / "model.safetensors"))
+    assert "embed_tokens.weight" not in names and "lm_head.weight" not in names  # shared, never copied
+    assert "fc.weight" in names and "layers.1.self_attn.q_norm.weight" in names
+    if head != "none":
+        assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight"} <= names
+
+
+def test_config_follows_the_deepspec_layout(tiny, tmp_path):
+    target = tiny["qwen3-tied"]
+    save_drafter(make_random_dspark(target, "gated", block_size=4).model, tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"]
+    assert cfg["markov_head_type"] == "gated" and cfg["markov_rank"] == 8
+    assert cfg["enable_confidence_head"] and cfg["confidence_head_with_markov"]
+    assert cfg["num_target_layers"] == 4 and cfg["num_hidden_layers"] == 1 and cfg["block_size"] == 4
+    for key in ("mask_token_id", "target_layer_ids", "num_anchors", "hidden_size", "vocab_size", "head_dim"):
+        assert key in cfg
+
+
+def test_bf16_checkpoint_loads_into_the_target_dtype(tiny, tmp_path):
+    target = tiny["llama-untied"]
+    drafter = make_random_dspark(target, "rnn", block_size=4)
+    save_drafter(drafter.model, tmp_path / "d", dtype=torch.bfloat16)
+    loaded = load_model(tmp_path / "d", target)[0]
+    assert loaded.dtype == torch.float32
+    for k, v in drafter.model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v.to(torch.bfloat16).float())
+
+
+def test_export_writes_the_shared_tensors_and_still_loads(tiny, tmp_path):
+    target = tiny["llama-untied"]
+    drafter = make_random_dspark(target, "vanilla", block_size=4)
+    save_drafter(drafter.model, tmp_path / "d", target=target)
+    export_drafter(tmp_path / "d", target, tmp_path / "x")
+    tensors = load_file(tmp_path / "x" / "model.safetensors")
+    assert torch.equal(tensors["embed_tokens.weight"], target.model.embed_tokens)
+    assert torch.equal(tensors["lm_head.weight"], target.model.lm_head)
+    loaded = load_model(tmp_path / "x", target)[0]
+    assert all(torch.equal(v, drafter.model.state_dict()[k]) for k, v in loaded.state_dict().items())
+
+
+def test_loading_against_another_target_fails_clearly(tiny, tmp_path):
+    target = tiny["llama-untied"]
+    save_drafter(make_random_dspark(target, "vanilla", block_size=4).model, tmp_path / "d", target=target)
+    with pytest.raises(DsparkError, match="different target.*LM-head probe differs"):  # same shapes, other weights
+        load_drafter(str(tmp_path / "d"), tiny["llama-tied"])
+    with pytest.raises(DsparkError, match="different target.*model family llama vs the target's qwen3"):
+        load_drafter(str(tmp_path / "d"), tiny["qwen3-tied"])
+    other = load_target(make_tiny_hf_model("llama", tmp_path / "big", vocab=200, layers=3), dtype=torch.float32,
+                        require_tokenizer=False)
+    with pytest.raises(DsparkError, match="vocabulary size 128 vs the target's 200.*number of target layers 4"):
+        load_drafter(str(tmp_path / "d"), other)
+
+
+def test_broken_checkpoints_fail_clearly(tiny, tmp_path):
+    target = tiny["llama-untied"]
+    good = tmp_path / "good"
+    save_drafter(make_random_dspark(target, "vanilla", block_size=4).model, good, target=target)
+    cfg = json.loads((good / "config.json").read_text())
+
+    def variant(name, config=None, drop_tensor=None):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config or cfg) if not isinstance(config, str) else config)
+        tensors = load_file(good / "model.safetensors")
+        if drop_tensor:
+            tensors.pop(drop_tensor)
+        save_file(tensors, d / "model.safetensors")
+        return str(d)
+
+    cases = [
+        (str(tmp_path / "nope"), "is neither a known drafter"),
+        (variant("badjson", "{not json"), "not valid JSON"),
+        (variant("nofield", {k: v for k, v in cfg.items() if k != "block_size"}), "lacks the field 'block_size'"),
+        (variant("block1", dict(cfg, block_size=1)), "block size must be >= 2"),
+        (variant("taps", dict(cfg, target_layer_ids=[1, 7])), r"tapped layer ids \[7\] are out of range"),
+        (variant("head", dict(cfg, markov_head_type="lstm")), "unknown head type 'lstm'"),
+        (variant("missing", drop_tensor="fc.weight"), "missing: fc.weight"),
+        (variant("rank", dict(cfg, markov_rank=16)), "wrong shape: markov_head.markov_w1.weight"),
+    ]
+    for path, message in cases:
+        with pytest.raises(DsparkError, match=message):
+            load_drafter(path, target)
+    (tmp_path / "noconfig").mkdir()
+    with pytest.raises(DsparkError, match="no config.json"):
+        load_drafter(str(tmp_path / "noconfig"), target)
+    with pytest.raises(DsparkError, match="exceeds the drafter's block size 4"):
+        load_drafter(str(good), target, num_draft_tokens=5)
+
+
+def _dspark(*args):
+    return subprocess.run([sys.executable, "-m", "dspark.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_draft_init_writes_a_loadable_drafter(tiny_targets, tiny, tmp_path):
+    name, path = tiny_targets[2]  # qwen2: attention biases in the draft layers too
+    r = _dspark("draft", "init", "--model", str(path), "--out", str(tmp_path / "d"), "--head", "rnn",
+                "--block-size", "5", "--layers", "2", "--tap-layers", "0,2", "--markov-rank", "12")
+    assert r.returncode == 0, r.stderr
+    assert "head rnn, block 5, 2 layer(s), taps [0, 2]" in r.stdout
+    drafter = load_dspark_drafter(tmp_path / "d", tiny[name])
+    assert drafter.cfg.markov_rank == 12 and drafter.cfg.enable_confidence_head
+    assert "layers.1.self_attn.q_proj.bias" in drafter.model.state_dict()
+    r = _dspark("draft", "init", "--model", str(path), "--out", str(tmp_path / "e"), "--head", "none")
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((tmp_path / "e" / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2DFlashModel"] and not cfg["enable_confidence_head"]
+
+    for args, message in [
+        (["--tap-layers", "1,9"], "tapped layer ids [9] are out of range for a 4-layer target"),
+        (["--tap-layers", "1,x"], "comma-separated integers"),
+        (["--block-size", "1"], "block size must be >= 2"),
+        (["--model", str(tmp_path / "missing")], "missing"),
+    ]:
+        r = _dspark("draft", "init", "--model", str(path), "--out", str(tmp_path / "f"), *args)
+        assert r.returncode == 1 and message in r.stderr.splitlines()[-1] and "Traceback" not in r.stderr, r.stderr
