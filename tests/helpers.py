@@ -95,3 +95,17 @@ def make_random_dspark(target, head: str = "vanilla", block_size: int = 4, layer
             if name.endswith("norm.weight"):
                 p.add_(0.2 * torch.randn_like(p))
     return DSparkDrafter(model.to(target.model.dtype).requires_grad_(False), target)
+
+
+def make_tiny_regen_data(target, path: Path, n: int = 40, prompt_len: int = 6, new_tokens: int = 40, seed: int = 0) -> Path:
+    """Regenerated-data JSONL for a tokenizer-less tiny target: the target's own T=1 samples."""
+    from dspark.decode.generate import Decoder
+
+    gen = torch.Generator().manual_seed(seed)
+    dec = Decoder(target)
+    with open(path, "w") as f:
+        for i in range(n):
+            prompt = torch.randint(3, target.cfg.vocab_size, (prompt_len,), generator=gen).tolist()
+            out = dec.generate(prompt, new_tokens, SamplingParams(temperature=1.0), seed=seed * 1000 + i)
+            f.write(json.dumps({"id": f"s{i}", "prompt_ids": prompt, "response_ids": out.token_ids}) + "\n")
+    return path

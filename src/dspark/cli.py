@@ -100,6 +100,52 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", required=True, help="output directory")
     exp.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
     exp.set_defaults(func=cmd_draft_export)
+
+    data = sub.add_parser("data", help="prepare training data", description="Prepare training data.")
+    dat = data.add_subparsers(dest="data_command", metavar="ACTION", parser_class=_Parser)
+    dat.required = True
+    rg = dat.add_parser(
+        "regenerate",
+        help="let the target answer training prompts (resumable)",
+        description="Let the target answer each prompt through its chat template (batched decoding on the "
+        "lean runner) and append {id, prompt_ids, response_ids, response, finish_reason} lines to --out. "
+        "Rerunning with the same --out skips prompts already answered, so an interrupted run resumes. "
+        "Prompt files: JSONL with 'turns', ShareGPT 'conversations' or Alpaca 'instruction'/'input'.",
+    )
+    rg.add_argument("--prompts", required=True, action="append", help="prompt JSONL file (repeatable)")
+    rg.add_argument("--out", required=True, help="output JSONL file (appended to)")
+    rg.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
+    rg.add_argument("--limit", type=_positive_int, default=None, help="use only the first N prompts (after dedup)")
+    rg.add_argument("--skip-validation-fraction", type=float, default=0.0, metavar="F",
+                    help="leave out the prompts the trainer's id-hash split would hold out as validation")
+    rg.add_argument("--max-new-tokens", type=_positive_int, default=512, help="reply budget (default 512)")
+    rg.add_argument("--max-prompt-tokens", type=_positive_int, default=1024, help="skip longer prompts (default 1024)")
+    rg.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
+    rg.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (default 0.95)")
+    rg.add_argument("--top-k", type=int, default=0, help="top-k (default 0 = off)")
+    rg.add_argument("--batch-size", type=_positive_int, default=16, help="rows decoded together (default 16)")
+    rg.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    rg.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto (default auto)")
+    rg.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all cores)")
+    rg.set_defaults(func=cmd_data_regenerate)
+
+    tr = sub.add_parser(
+        "train",
+        help="train a drafter by online distillation from the target",
+        description="Train a DSpark (or DFlash) drafter by online knowledge distillation: the frozen target "
+        "runs inside the loop on regenerated data. Checkpoints go to OUT/checkpoint (atomically); "
+        "--resume continues exactly where the last one left off. Runs under `torchrun --nproc_per_node N` "
+        "with DistributedDataParallel. Writes OUT/log.jsonl, OUT/curves.png and OUT/final.",
+    )
+    tr.add_argument("--config", default=None, help="TOML or YAML file of training options")
+    tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override an option (repeatable), e.g. --set steps=200 --set lr=3e-4")
+    tr.add_argument("--data", default=None, help="regenerated JSONL (overrides the config)")
+    tr.add_argument("--out", default=None, help="run directory (overrides the config)")
+    tr.add_argument("--steps", type=_positive_int, default=None, help="total optimiser steps (overrides the config)")
+    tr.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.set_defaults(func=cmd_train)
     return parser
 
 
@@ -203,6 +249,51 @@ def cmd_generate(args) -> int:
             f"drafter {args.drafter}, {str(target.model.dtype).removeprefix('torch.')}, finish {result.finish_reason}",
             file=sys.stderr,
         )
+    return 0
+
+
+def cmd_data_regenerate(args) -> int:
+    import torch
+
+    from dspark.decode.sampling import SamplingParams
+    from dspark.target.loading import load_target, parse_dtype
+    from dspark.train.data import is_validation, load_prompts
+    from dspark.train.regenerate import regenerate
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    dtype = parse_dtype(args.dtype)
+    if not 0 <= args.skip_validation_fraction < 1:
+        raise DsparkError("--skip-validation-fraction must be in [0, 1)")
+    prompts, seen = [], set()
+    for path in args.prompts:
+        for p in load_prompts(path):
+            if p.id not in seen and not is_validation(p.id, args.skip_validation_fraction):
+                seen.add(p.id)
+                prompts.append(p)
+    prompts = prompts[: args.limit]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.model, dtype=dtype)
+    stats = regenerate(target, prompts, args.out, params, args.max_new_tokens, args.batch_size, args.seed,
+                       args.max_prompt_tokens)
+    print(json.dumps(stats))
+    return 0
+
+
+def cmd_train(args) -> int:
+    from dspark.train.config import load_config
+    from dspark.train.trainer import Trainer
+
+    overrides = list(args.set)
+    for key in ("data", "out", "steps"):
+        if getattr(args, key) is not None:
+            overrides.append(f"{key}={getattr(args, key)}")
+    cfg = load_config(args.config, overrides)
+    trainer = Trainer(cfg, resume=args.resume, progress=not args.no_progress)
+    val = trainer.run()
+    if trainer.rank == 0:
+        tau = f", validation expected tau {val['expected_tau']:.3f}" if val else ""
+        print(f"trained {cfg.steps} steps -> {trainer.out / 'final'}{tau}")
     return 0
 
 

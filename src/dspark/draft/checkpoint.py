@@ -8,9 +8,6 @@ and drops them. Every load validates the drafter against the target it is meant 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -20,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from dspark.draft.config import DraftConfig, default_tap_layers
 from dspark.draft.dspark import DSparkDrafter, DSparkModel
 from dspark.errors import DsparkError
+from dspark.fsutil import atomic_directory
 
 WEIGHTS = "model.safetensors"
 SHARED_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # the target's, written only on export
@@ -63,28 +61,9 @@ def new_draft_config(target, **options) -> DraftConfig:
 
 
 def _write_dir(out: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
-    """Write config + weights to a temporary sibling directory, then rename it into place."""
-    out = out.expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp / WEIGHTS, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        umask = os.umask(0)
-        os.umask(umask)
-        for p in (tmp / WEIGHTS, tmp / "config.json"):
-            os.chmod(p, 0o666 & ~umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def save_drafter(

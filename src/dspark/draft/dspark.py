@@ -167,6 +167,10 @@ class DSparkModel(nn.Module):
         return logits, conf
 
     # ---- training path -------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        """The training path (what DistributedDataParallel calls)."""
+        return self.forward_train(*args, **kwargs)
+
     def forward_train(
         self,
         taps: torch.Tensor,

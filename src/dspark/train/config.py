@@ -1,0 +1,141 @@
+"""Training configuration: a TOML or YAML file, plus `--set key=value` overrides.
+
+Files may use sections ([drafter], [train], [loss]) or flat keys; both map onto `TrainConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from dspark.errors import DsparkError
+
+ALGORITHMS = ("dspark", "dflash", "eagle3")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    data: str = ""  # regenerated JSONL (`dspark data regenerate`)
+    out: str = "runs/drafter"  # run directory: checkpoint/, final/, log.jsonl, curves.png
+    algorithm: str = "dspark"  # dspark (heads) | dflash (backbone only, CE) | eagle3
+    target: str = ""  # HF dir / .gguf; "" = embedded SmolLM2
+    init: str = ""  # optional drafter checkpoint to start from
+    # drafter shape
+    block_size: int = 8
+    layers: int = 1
+    head: str = "vanilla"  # vanilla | gated | rnn (dspark only)
+    markov_rank: int = 32
+    confidence_head: bool = True
+    tap_layers: list[int] = dataclasses.field(default_factory=list)  # [] = 5 spread over the depth
+    mask_token_id: int = -1  # -1 = automatic
+    # optimisation
+    steps: int = 1000
+    batch_size: int = 4  # sequences per optimiser step, summed over all ranks
+    grad_accum: int = 1  # micro-batches per step on each rank
+    anchors_per_seq: int = 16
+    max_seq_len: int = 512
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    autocast: str = "auto"  # auto (bf16 where the hardware has native bf16) | bf16 | off
+    seed: int = 0
+    # losses (DESIGN.md §4)
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    conf_weight: float = 1.0
+    position_decay: float = 4.0  # λ in w_k = exp(-k / λ)
+    # bookkeeping
+    checkpoint_every: int = 100
+    eval_every: int = 100
+    val_fraction: float = 0.02
+    val_max_samples: int = 64
+    threads: int = 0  # 0 = torch default
+
+    def validate(self) -> "TrainConfig":
+        if not self.data:
+            raise DsparkError("no training data: set `data` to a file made by `dspark data regenerate`")
+        if self.algorithm not in ALGORITHMS:
+            raise DsparkError(f"unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        if self.block_size < 2:
+            raise DsparkError(f"block_size must be >= 2, got {self.block_size}")
+        for name in ("steps", "batch_size", "grad_accum", "anchors_per_seq", "layers", "checkpoint_every", "eval_every"):
+            if getattr(self, name) < 1:
+                raise DsparkError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_seq_len < 4:
+            raise DsparkError(f"max_seq_len must be >= 4, got {self.max_seq_len}")
+        if not 0 <= self.warmup_frac < 1 or not 0 <= self.val_fraction < 1:
+            raise DsparkError("warmup_frac and val_fraction must be in [0, 1)")
+        if self.autocast not in ("auto", "bf16", "off"):
+            raise DsparkError(f"autocast must be auto, bf16 or off, got {self.autocast!r}")
+        if self.lr <= 0:
+            raise DsparkError(f"lr must be > 0, got {self.lr}")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    field = _FIELDS.get(name)
+    if field is None:
+        raise DsparkError(f"unknown training option {name!r}; known: {', '.join(sorted(_FIELDS))}")
+    default = TrainConfig().__getattribute__(name)
+    try:
+        if isinstance(value, str) and not isinstance(default, str):
+            value = json.loads(value.lower() if isinstance(default, bool) else value)
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ValueError
+        elif isinstance(default, float):
+            value = float(value)
+        elif isinstance(default, int):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            value = int(value)
+        elif isinstance(default, list):
+            value = [int(v) for v in value]
+        elif isinstance(default, str) and not isinstance(value, str):
+            raise ValueError
+    except (ValueError, TypeError, json.JSONDecodeError):
+        raise DsparkError(f"option {name!r}: cannot use {value!r} (expected {type(default).__name__})") from None
+    return value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    raw: dict[str, Any] = {}
+    if path:
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise DsparkError(f"config file {path} does not exist")
+        text = path.read_text()
+        try:
+            if path.suffix in (".yaml", ".yml"):
+                import yaml
+
+                raw = yaml.safe_load(text) or {}
+            else:
+                raw = tomllib.loads(text)
+        except Exception as e:  # both parsers raise their own error types
+            raise DsparkError(f"{path}: cannot parse ({e})") from None
+        if not isinstance(raw, dict):
+            raise DsparkError(f"{path}: expected a table of options")
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):  # a section: [drafter], [train], [loss] ...
+            flat.update(value)
+        else:
+            flat[key] = value
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise DsparkError(f"--set expects key=value, got {item!r}")
+        flat[key.strip()] = value.strip()
+    cfg = TrainConfig(**{k: _coerce(k, v) for k, v in flat.items()})
+    return cfg.validate()

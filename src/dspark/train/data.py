@@ -1,0 +1,114 @@
+"""Prompt sets and regenerated training data.
+
+Prompt files are JSONL in any of three common shapes, normalised to a list of user turns:
+  * dspark / DeepSpec:   {"id": ..., "turns": ["user message", ...]}
+  * ShareGPT:            {"id": ..., "conversations": [{"from": "human", "value": ...}, ...]}
+  * Alpaca:              {"instruction": ..., "input": ...}
+Only the first user turn is used for regeneration (the target writes its own replies).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterator
+
+from dspark.errors import DsparkError
+
+_USER_ROLES = ("human", "user")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    id: str
+    text: str  # first user turn
+
+
+def _user_text(obj: dict) -> str | None:
+    if isinstance(obj.get("turns"), list) and obj["turns"]:
+        return obj["turns"][0]
+    if isinstance(obj.get("conversations"), list):
+        for turn in obj["conversations"]:
+            if isinstance(turn, dict) and turn.get("from", turn.get("role")) in _USER_ROLES:
+                return turn.get("value", turn.get("content"))
+        return None
+    if "instruction" in obj:
+        extra = obj.get("input") or ""
+        return f"{obj['instruction']}\n\n{extra}" if extra.strip() else obj["instruction"]
+    return None
+
+
+def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for every non-blank line; a malformed line is a clear error."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DsparkError(f"data file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DsparkError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise DsparkError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            yield lineno, obj
+
+
+def load_prompts(path: str | Path) -> list[Prompt]:
+    """Read a prompt file, dropping exact duplicates (same normalised text); ids default to
+    `<file stem>-<line>`."""
+    prompts, seen = [], set()
+    path = Path(path).expanduser()
+    for lineno, obj in read_jsonl(path):
+        text = _user_text(obj)
+        if not isinstance(text, str) or not text.strip():
+            raise DsparkError(
+                f"{path}:{lineno}: no user prompt found; expected 'turns', ShareGPT 'conversations' "
+                "or Alpaca 'instruction'"
+            )
+        key = " ".join(text.split()).lower()
+        if key in seen:
+            continue
+        seen.add(key)
+        prompts.append(Prompt(str(obj.get("id", f"{path.stem}-{lineno}")), text))
+    if not prompts:
+        raise DsparkError(f"{path} holds no prompts")
+    return prompts
+
+
+def is_validation(prompt_id: str, fraction: float) -> bool:
+    """Stable split by id hash: the same prompt is on the same side in every run and file order."""
+    h = int.from_bytes(hashlib.sha256(prompt_id.encode()).digest()[:8], "big")
+    return h / 2**64 < fraction
+
+
+@dataclasses.dataclass
+class Sample:
+    """One regenerated conversation: prompt tokens (chat template applied) + the target's reply."""
+
+    id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+
+def load_samples(path: str | Path) -> list[Sample]:
+    """Read the JSONL written by `dspark data regenerate`."""
+    path = Path(path).expanduser()
+    samples = []
+    for lineno, obj in read_jsonl(path):
+        try:
+            s = Sample(str(obj["id"]), [int(t) for t in obj["prompt_ids"]], [int(t) for t in obj["response_ids"]])
+        except (KeyError, TypeError, ValueError):
+            raise DsparkError(
+                f"{path}:{lineno}: expected a regenerated sample with 'id', 'prompt_ids' and 'response_ids' "
+                "(made by `dspark data regenerate`)"
+            ) from None
+        if len(s.response_ids) >= 2:  # anchors need two response tokens
+            samples.append(s)
+    if not samples:
+        raise DsparkError(f"{path} holds no regenerated samples with a response of 2+ tokens")
+    return samples

@@ -1,0 +1,367 @@
+"""Online knowledge-distillation trainer (DESIGN.md §4).
+
+The frozen target runs inside the loop: each step it reads a batch of regenerated conversations,
+yields the tapped features and its next-token distributions, and the drafter learns from them
+through the packed block forward. Nothing is cached on disk but the regenerated text.
+
+Determinism is by construction: the data order of step s and the anchors of each sequence are
+pure functions of (seed, s), so a resumed or a multi-process run sees exactly what an
+uninterrupted single-process run sees. Under torchrun each rank takes every world-th sequence of
+the global batch and losses are normalised by the global supervision weight, so the gradient
+equals the single-process one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from dspark.draft.checkpoint import load_model, new_draft_config, save_drafter
+from dspark.draft.dspark import DSparkModel
+from dspark.errors import DsparkError
+from dspark.fsutil import atomic_directory
+from dspark.target.loading import load_target
+from dspark.target.model import cpu_has_native_bf16
+from dspark.train.config import TrainConfig
+from dspark.train.data import Sample, is_validation, load_samples
+from dspark.train.losses import acceptance_sums, expected_tau, kd_loss_sums, position_weights
+
+# Options a resumed run may change; anything else must match the checkpoint.
+RESUMABLE_CHANGES = {"steps", "checkpoint_every", "eval_every", "threads", "out"}
+
+
+def _seeded(*parts) -> torch.Generator:
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)
+
+
+def sample_anchors(sample: Sample, max_seq_len: int, count: int, gen: torch.Generator) -> list[int]:
+    """Up to `count` distinct anchors p with p and p+1 both response tokens (within max_seq_len)."""
+    n = min(len(sample.prompt_ids) + len(sample.response_ids), max_seq_len)
+    lo, hi = len(sample.prompt_ids), n - 2  # inclusive range of valid anchors
+    if hi < lo:
+        return []
+    valid = hi - lo + 1
+    pick = torch.randperm(valid, generator=gen)[:count]
+    return sorted((lo + pick).tolist())
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up over warmup_frac of the steps, then cosine decay to 0."""
+    warm = max(1, round(cfg.warmup_frac * cfg.steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, resume: bool = False, progress: bool = True):
+        self.cfg = cfg.validate()
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.out = Path(cfg.out).expanduser()
+        self.progress = progress and self.rank == 0
+        if cfg.batch_size % self.world:
+            raise DsparkError(f"batch_size {cfg.batch_size} must be a multiple of the {self.world} processes")
+
+        self.target = load_target(cfg.target or None, dtype=torch.float32, require_tokenizer=False)
+        samples = load_samples(cfg.data)
+        keep = [s for s in samples if len(s.prompt_ids) <= cfg.max_seq_len - 2]
+        self.dropped_long = len(samples) - len(keep)
+        vocab = self.target.cfg.vocab_size
+        for s in keep[:50]:  # cheap sanity check that the data was made by this target's tokenizer
+            if max(s.prompt_ids + s.response_ids) >= vocab:
+                raise DsparkError(f"{cfg.data}: token ids exceed the target's vocabulary ({vocab}); "
+                                  "was it regenerated with another target?")
+        self.train_set = [s for s in keep if not is_validation(s.id, cfg.val_fraction)]
+        self.val_set = [s for s in keep if is_validation(s.id, cfg.val_fraction)][: cfg.val_max_samples]
+        if not self.train_set:
+            raise DsparkError(f"{cfg.data}: no training samples left after the validation split")
+
+        self.model = self._build_model()
+        self.taps = tuple(self.model.cfg.target_layer_ids)
+        self.dflash = cfg.algorithm == "dflash"
+        self.weights_k = position_weights(cfg.block_size, cfg.position_decay)
+        self.autocast = cfg.autocast == "bf16" or (cfg.autocast == "auto" and cpu_has_native_bf16())
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+        )
+        self.step = 0
+        ckpt = self.out / "checkpoint"
+        if resume:
+            if not ckpt.is_dir():
+                raise DsparkError(f"--resume: no checkpoint in {self.out} (expected {ckpt})")
+            self._load_checkpoint(ckpt)
+        elif ckpt.exists():
+            raise DsparkError(f"{self.out} already holds a training run; pass --resume to continue it, "
+                              "or choose another `out`")
+        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 else self.model
+
+    # ---- setup ---------------------------------------------------------------------------
+    def _build_model(self) -> DSparkModel:
+        c = self.cfg
+        if c.init:
+            model, _ = load_model(c.init, self.target)
+            return model.float().requires_grad_(True).train()
+        dspark = c.algorithm == "dspark"
+        cfg = new_draft_config(
+            self.target,
+            block_size=c.block_size,
+            num_hidden_layers=c.layers,
+            target_layer_ids=c.tap_layers or None,
+            markov_head_type=c.head if dspark else "none",
+            markov_rank=c.markov_rank,
+            enable_confidence_head=dspark and c.confidence_head,
+            mask_token_id=None if c.mask_token_id < 0 else c.mask_token_id,
+            num_anchors=c.anchors_per_seq,
+        )
+        torch.manual_seed(c.seed)
+        return DSparkModel(cfg).train()
+
+    # ---- data ----------------------------------------------------------------------------
+    def global_batch(self, step: int) -> list[tuple[Sample, list[int]]]:
+        """The step's sequences (same on every rank) with their anchors."""
+        n, B = len(self.train_set), self.cfg.batch_size
+        out = []
+        for i in range(B):
+            pos = step * B + i
+            epoch, j = divmod(pos, n)
+            perm = self._perm(epoch)
+            s = self.train_set[int(perm[j])]
+            out.append((s, sample_anchors(s, self.cfg.max_seq_len, self.cfg.anchors_per_seq,
+                                          _seeded(self.cfg.seed, "anchors", step, i))))
+        return out
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        if getattr(self, "_perm_epoch", None) != epoch:
+            self._perm_cache = torch.randperm(len(self.train_set), generator=_seeded(self.cfg.seed, "epoch", epoch))
+            self._perm_epoch = epoch
+        return self._perm_cache
+
+    def _slot_weights(self, items) -> float:
+        """Σ w_k over supervised slots of a list of (sample, anchors)."""
+        total = 0.0
+        w = self.weights_k.tolist()
+        for s, anchors in items:
+            n = min(len(s.prompt_ids) + len(s.response_ids), self.cfg.max_seq_len)
+            for p in anchors:
+                total += sum(w[: min(self.cfg.block_size, n - 1 - p)])
+        return total
+
+    # ---- forward -------------------------------------------------------------------------
+    def batch_outputs(self, items, model):
+        """Target + drafter forward for a micro-batch; returns everything the losses need."""
+        g, A = self.cfg.block_size, self.cfg.anchors_per_seq
+        seqs = [(s.prompt_ids + s.response_ids)[: self.cfg.max_seq_len] for s, _ in items]
+        b, S = len(seqs), max(len(x) for x in seqs)
+        ids = torch.zeros(b, S, dtype=torch.long)
+        for i, x in enumerate(seqs):
+            ids[i, : len(x)] = torch.tensor(x)
+        lengths = torch.tensor([len(x) for x in seqs])
+        anchors = torch.zeros(b, A, dtype=torch.long)
+        valid = torch.zeros(b, A, dtype=torch.bool)
+        for i, (_, a) in enumerate(items):
+            anchors[i, : len(a)] = torch.tensor(a, dtype=torch.long)
+            valid[i, : len(a)] = True
+        pos = anchors[..., None] + torch.arange(g)  # input position of each slot; predicts pos + 1
+        sup = valid[..., None] & (pos + 1 < lengths[:, None, None])
+        gather = lambda t: t.gather(1, pos.clamp(max=S - 1).flatten(1)).view(b, A, g)  # noqa: E731
+        prev, labels = gather(ids), gather(torch.cat([ids[:, 1:], ids[:, :1]], dim=1))
+
+        tm = self.target.model
+        out = tm(ids, tm.new_cache(b, S), taps=self.taps)
+        flat = pos.clamp(max=S - 1).flatten(1)
+        hidden = out.hidden.gather(1, flat[..., None].expand(-1, -1, out.hidden.shape[-1])).view(b, A, g, -1)
+        with torch.no_grad():
+            target_logits = tm.logits(hidden[sup]).clone()  # [n_sup, V], a plain (non-inference) tensor
+        amp = torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+        with amp:
+            logits, conf = model(out.taps, anchors, prev, tm.embed_tokens, tm.lm_head)
+        w = (self.weights_k * sup).float()
+        return dict(logits=logits, conf=conf, target_logits=target_logits, labels=labels, sup=sup, w=w,
+                    tokens=int(lengths.sum()), blocks=int(valid.sum()))
+
+    def _loss_sums(self, o):
+        c = self.cfg
+        sup = o["sup"]
+        conf = o["conf"][sup] if o["conf"] is not None else None
+        if self.dflash:
+            return kd_loss_sums(o["logits"][sup], None, o["target_logits"], o["labels"][sup], o["w"][sup], 1.0, 0.0, 0.0)
+        return kd_loss_sums(o["logits"][sup], conf, o["target_logits"], o["labels"][sup], o["w"][sup],
+                            c.ce_weight, c.tv_weight, c.conf_weight)
+
+    # ---- training ------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        c = self.cfg
+        t0 = time.perf_counter()
+        items = self.global_batch(self.step)
+        total_w = self._slot_weights(items)
+        mine = items[self.rank :: self.world]
+        micro = max(1, math.ceil(len(mine) / c.grad_accum))
+        chunks = [mine[i : i + micro] for i in range(0, len(mine), micro)]
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, c)
+        sums = torch.zeros(4, dtype=torch.float64)
+        tokens = blocks = 0
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1
+            sync = contextlib.nullcontext() if last or self.world == 1 else self.ddp.no_sync()
+            with sync:
+                o = self.batch_outputs(chunk, self.ddp)
+                ls = self._loss_sums(o)
+                if total_w > 0:
+                    (ls.total * (self.world / total_w)).backward()
+            sums += torch.tensor([ls.total.item(), ls.ce.item(), ls.tv.item(), ls.conf.item()], dtype=torch.float64)
+            tokens += o["tokens"]
+            blocks += o["blocks"]
+        counts = torch.tensor([tokens, blocks], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(sums)
+            dist.all_reduce(counts)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        dt = time.perf_counter() - t0
+        m = (sums / max(total_w, 1e-12)).tolist()
+        return {"step": self.step, "lr": lr_at(self.step - 1, c), "loss": m[0], "ce": m[1], "tv": m[2],
+                "conf": m[3], "grad_norm": float(grad_norm), "seconds": dt,
+                "blocks_per_s": counts[1].item() / dt, "target_tok_per_s": counts[0].item() / dt}
+
+    @torch.no_grad()
+    def validate(self) -> dict:
+        """Loss terms and per-position acceptance α_k on the validation set (fixed anchors)."""
+        if not self.val_set:
+            return {}
+        g = self.cfg.block_size
+        self.model.eval()
+        sums = torch.zeros(4, dtype=torch.float64)
+        a_sum, a_cnt = torch.zeros(g, dtype=torch.float64), torch.zeros(g, dtype=torch.float64)
+        total_w = 0.0
+        bs = max(1, self.cfg.batch_size // self.world)
+        for i in range(0, len(self.val_set), bs):
+            items = [(s, sample_anchors(s, self.cfg.max_seq_len, self.cfg.anchors_per_seq,
+                                        _seeded(self.cfg.seed, "val", i + j)))
+                     for j, s in enumerate(self.val_set[i : i + bs])]
+            o = self.batch_outputs(items, self.model)
+            ls = self._loss_sums(o)
+            sums += torch.tensor([ls.total.item(), ls.ce.item(), ls.tv.item(), ls.conf.item()], dtype=torch.float64)
+            total_w += float(o["w"].sum())
+            full = torch.zeros(*o["sup"].shape, o["target_logits"].shape[-1])
+            full[o["sup"]] = o["target_logits"]
+            s_, c_ = acceptance_sums(o["logits"].float().flatten(0, 1), full.flatten(0, 1), o["sup"].flatten(0, 1))
+            a_sum += s_
+            a_cnt += c_
+        self.model.train()
+        alpha = (a_sum / a_cnt.clamp(min=1)).tolist()
+        m = (sums / max(total_w, 1e-12)).tolist()
+        return {"loss": m[0], "ce": m[1], "tv": m[2], "conf": m[3], "alpha": alpha, "expected_tau": expected_tau(alpha)}
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        if self.rank == 0:
+            with atomic_directory(self.out / "checkpoint") as tmp:
+                save_drafter(self.model, tmp / "drafter", target=self.target)
+                tensors = {}
+                for i, p in enumerate(self.model.parameters()):
+                    for k, v in self.optimizer.state.get(p, {}).items():
+                        tensors[f"{i}.{k}"] = torch.as_tensor(v).detach().clone()
+                save_file(tensors, tmp / "optimizer.safetensors")
+                state = {"step": self.step, "config": self.cfg.to_dict(), "world_size": self.world}
+                (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+        if self.world > 1:
+            dist.barrier()
+
+    def _load_checkpoint(self, ckpt: Path) -> None:
+        try:
+            state = json.loads((ckpt / "state.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise DsparkError(f"{ckpt} is not a readable training checkpoint: {e}") from None
+        saved = state["config"]
+        diff = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in self.cfg.to_dict().items()
+                if k not in RESUMABLE_CHANGES and saved.get(k) != v]
+        if diff:
+            raise DsparkError(f"cannot resume {ckpt}: the configuration changed ({'; '.join(diff)})")
+        model, _ = load_model(ckpt / "drafter", self.target)
+        self.model.load_state_dict(model.state_dict())
+        tensors = load_file(ckpt / "optimizer.safetensors")
+        params = list(self.model.parameters())
+        for i, p in enumerate(params):
+            entry = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.split(".", 1)[0] == str(i)}
+            if entry:
+                self.optimizer.state[p] = entry
+        self.step = int(state["step"])
+
+    # ---- the loop ------------------------------------------------------------------------
+    def run(self) -> dict:
+        c = self.cfg
+        log_path = self.out / "log.jsonl"
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if self.step == 0:
+                log_path.unlink(missing_ok=True)  # a run killed before its first checkpoint restarts
+            _truncate_log(log_path, self.step)
+            (self.out / "config.json").write_text(json.dumps(c.to_dict(), indent=2) + "\n")
+        bar = tqdm(total=c.steps, initial=self.step, desc="training", unit="step", disable=not self.progress)
+        last_val = {}
+        with open(log_path, "a") if self.rank == 0 else contextlib.nullcontext() as log:
+            def write(rec):
+                if log is not None:
+                    log.write(json.dumps(rec) + "\n")
+                    log.flush()
+
+            if self.step == 0:
+                last_val = self._validate_and_log(write)
+            while self.step < c.steps:
+                rec = self.train_step()
+                write(rec)
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{last_val.get('expected_tau', 0):.2f}")
+                if self.step % c.eval_every == 0 or self.step == c.steps:
+                    last_val = self._validate_and_log(write)
+                if self.step % c.checkpoint_every == 0 or self.step == c.steps:
+                    self.save_checkpoint()
+        bar.close()
+        if self.rank == 0:
+            save_drafter(self.model, self.out / "final", target=self.target)
+            from dspark.train.plot import plot_training
+
+            plot_training(log_path, self.out / "curves.png")
+        return last_val
+
+    def _validate_and_log(self, write) -> dict:
+        val = self.validate() if self.rank == 0 else {}
+        if val:
+            write({"step": self.step, "val": val})
+        if self.world > 1:
+            dist.barrier()
+        return val
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop log records of steps after the checkpoint being resumed (that work was lost)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError):
+            break
+    path.write_text("".join(line + "\n" for line in keep))

@@ -1,0 +1,169 @@
+"""Online distillation: learning happens, kill -9 + resume is exact, torchrun matches one process."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dspark.errors import DsparkError
+from dspark.target.loading import load_target
+from dspark.train.config import TrainConfig, load_config
+from dspark.train.trainer import Trainer
+from helpers import make_random_dspark, make_tiny_hf_model, make_tiny_regen_data
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny llama target (no EOS, so replies run to length) and 60 of its own T=1 replies."""
+    root = tmp_path_factory.mktemp("train")
+    model_dir = make_tiny_hf_model("llama", root / "target")
+    target = load_target(model_dir, dtype=torch.float32, require_tokenizer=False)
+    data = make_tiny_regen_data(dataclasses.replace(target, eos_token_ids=frozenset()), root / "regen.jsonl", n=60)
+    return model_dir, data, target
+
+
+def _cfg(tiny_run, out, **kw):
+    model_dir, data, _ = tiny_run
+    base = dict(data=str(data), out=str(out), target=str(model_dir), steps=60, batch_size=4, anchors_per_seq=8,
+                block_size=4, markov_rank=8, eval_every=20, checkpoint_every=20, val_fraction=0.2, lr=3e-3,
+                threads=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _log(out):
+    recs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    return [r for r in recs if "val" not in r], [r for r in recs if "val" in r]
+
+
+@pytest.mark.parametrize("algorithm", ["dspark", "dflash"])
+def test_loss_falls_and_validation_tau_rises(tiny_run, tmp_path, algorithm):
+    Trainer(_cfg(tiny_run, tmp_path / "run", algorithm=algorithm), progress=False).run()
+    train, val = _log(tmp_path / "run")
+    assert len(train) == 60 and [v["step"] for v in val] == [0, 20, 40, 60]
+    first = sum(r["loss"] for r in train[:5]) / 5
+    last = sum(r["loss"] for r in train[-5:]) / 5
+    assert last < first - 0.05, (first, last)
+    assert val[-1]["val"]["expected_tau"] > val[0]["val"]["expected_tau"] + 0.1
+    assert (tmp_path / "run" / "curves.png").stat().st_size > 10_000
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    if algorithm == "dflash":
+        assert all(r["tv"] == 0 and r["conf"] == 0 for r in train)
+        assert json.loads((tmp_path / "run" / "final" / "config.json").read_text())["architectures"] == ["LlamaDFlashModel"]
+
+
+def _dspark(*args, env=None, **kw):
+    return subprocess.Popen([sys.executable, "-m", "dspark.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, **kw)
+
+
+def _write_toml(cfg: TrainConfig, path):
+    lines = []
+    for k, v in cfg.to_dict().items():
+        lines.append(f"{k} = {json.dumps(v)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_run, tmp_path):
+    cfg = _cfg(tiny_run, tmp_path / "killed", steps=30, checkpoint_every=5, eval_every=10)
+    toml = _write_toml(cfg, tmp_path / "train.toml")
+    ref = _dspark("train", "--config", str(toml), "--out", str(tmp_path / "ref"), "--no-progress")
+    assert ref.wait(timeout=600) == 0, ref.stderr.read()
+
+    proc = _dspark("train", "--config", str(toml), "--no-progress")
+    state = tmp_path / "killed" / "checkpoint" / "state.json"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if state.exists() and json.loads(state.read_text())["step"] >= 10:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = json.loads(state.read_text())["step"]
+    assert 10 <= killed_at < 30
+    assert not (tmp_path / "killed" / "final").exists()
+
+    again = _dspark("train", "--config", str(toml), "--no-progress")  # no --resume: refuses to clobber
+    assert again.wait(timeout=300) == 1 and "--resume" in again.stderr.read()
+    res = _dspark("train", "--config", str(toml), "--resume", "--no-progress")
+    assert res.wait(timeout=600) == 0, res.stderr.read()
+
+    a = load_file(tmp_path / "ref" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "killed" / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ref_train, _ = _log(tmp_path / "ref")
+    res_train, _ = _log(tmp_path / "killed")
+    assert [r["step"] for r in res_train] == list(range(1, 31))  # lost steps were dropped from the log
+    assert [r["loss"] for r in res_train] == [r["loss"] for r in ref_train]
+
+
+def test_torchrun_two_processes_follow_the_single_process_trajectory(tiny_run, tmp_path):
+    cfg = _cfg(tiny_run, tmp_path / "one", steps=8, eval_every=100, checkpoint_every=100)
+    toml = _write_toml(cfg, tmp_path / "train.toml")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    one = _dspark("train", "--config", str(toml), "--no-progress", env=env)
+    assert one.wait(timeout=600) == 0, one.stderr.read()
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "dspark.cli",
+         "train", "--config", str(toml), "--out", str(tmp_path / "two"), "--no-progress"],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert json.loads((tmp_path / "two" / "checkpoint" / "state.json").read_text())["world_size"] == 2
+    a, _ = _log(tmp_path / "one")
+    b, _ = _log(tmp_path / "two")
+    assert len(a) == len(b) == 8
+    for ra, rb in zip(a, b):
+        for key in ("loss", "ce", "tv", "conf", "grad_norm"):
+            assert abs(ra[key] - rb[key]) <= 1e-5, (ra["step"], key, ra[key], rb[key])
+
+
+def test_bad_training_input_gives_clear_errors(tiny_run, tmp_path, tiny_targets):
+    model_dir, data, target = tiny_run
+    other = load_target(tiny_targets[3][1], dtype=torch.float32, require_tokenizer=False)
+    from dspark.draft.checkpoint import save_drafter
+
+    save_drafter(make_random_dspark(other, "vanilla", block_size=4).model, tmp_path / "qwen-drafter", target=other)
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"id": "a", "prompt_ids": [1], "response_ids": [3, 4]}\n{oops\n')
+    (tmp_path / "big.jsonl").write_text('{"id": "a", "prompt_ids": [1], "response_ids": [3, 4000]}\n')
+    cases = [
+        (dict(data=str(tmp_path / "empty.jsonl")), "holds no regenerated samples"),
+        (dict(data=str(tmp_path / "bad.jsonl")), "bad.jsonl:2: not valid JSON"),
+        (dict(data=str(tmp_path / "missing.jsonl")), "does not exist"),
+        (dict(data=str(tmp_path / "big.jsonl")), "exceed the target's vocabulary"),
+        (dict(init=str(tmp_path / "qwen-drafter")), "different target"),
+        (dict(tap_layers=[1, 9]), r"tapped layer ids \[9\] are out of range"),
+        (dict(block_size=1), "block_size must be >= 2"),
+        (dict(algorithm="medusa"), "unknown algorithm"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(DsparkError, match=message):
+            Trainer(_cfg(tiny_run, tmp_path / "run", **overrides), progress=False)
+    with pytest.raises(DsparkError, match="no checkpoint"):
+        Trainer(_cfg(tiny_run, tmp_path / "run"), resume=True, progress=False)
+
+
+def test_config_files_and_overrides(tmp_path):
+    (tmp_path / "a.toml").write_text('data = "x.jsonl"\n[drafter]\nblock_size = 16\nhead = "gated"\n[train]\nlr = 1e-3\n')
+    cfg = load_config(tmp_path / "a.toml", ["steps=7", "tap_layers=[1, 2]", "confidence_head=false"])
+    assert (cfg.block_size, cfg.head, cfg.lr, cfg.steps, cfg.tap_layers, cfg.confidence_head) == (
+        16, "gated", 1e-3, 7, [1, 2], False)
+    (tmp_path / "b.yaml").write_text("data: x.jsonl\ntrain:\n  steps: 3\n  batch_size: 8\n")
+    cfg = load_config(tmp_path / "b.yaml")
+    assert (cfg.steps, cfg.batch_size) == (3, 8)
+    for overrides, message in [(["stepz=3"], "unknown training option 'stepz'"), (["steps=abc"], "option 'steps'"),
+                               (["steps"], "key=value"), (["block_size=1"], "block_size must be >= 2")]:
+        with pytest.raises(DsparkError, match=message):
+            load_config(tmp_path / "a.toml", overrides)
+    (tmp_path / "c.toml").write_text("data = [")
+    with pytest.raises(DsparkError, match="cannot parse"):
+        load_config(tmp_path / "c.toml")
