@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspark.decode.sampling import SamplingParams
-from dspark.draft.checkpoint import export_drafter, load_dspark_drafter, load_model, save_drafter
+from dspark.draft.checkpoint import export_drafter, load_drafter_checkpoint, load_model, save_drafter
 from dspark.draft.registry import load_drafter
 from dspark.errors import DsparkError
 from dspark.target.loading import load_target
@@ -34,7 +34,7 @@ def test_save_then_load_is_bit_exact(tiny, tmp_path, head):
     target = tiny["qwen3-tied"]
     drafter = make_random_dspark(target, head, block_size=4, layers=2)
     save_drafter(drafter.model, tmp_path / "d", target=target)
-    loaded = load_dspark_drafter(tmp_path / "d", target)
+    loaded = load_drafter_checkpoint(tmp_path / "d", target)
     want, got = drafter.model.state_dict(), loaded.model.state_dict()
     assert want.keys() == got.keys()
     assert all(torch.equal(want[k], got[k]) for k in want)
@@ -140,7 +140,7 @@ def test_cli_draft_init_writes_a_loadable_drafter(tiny_targets, tiny, tmp_path):
                 "--block-size", "5", "--layers", "2", "--tap-layers", "0,2", "--markov-rank", "12")
     assert r.returncode == 0, r.stderr
     assert "head rnn, block 5, 2 layer(s), taps [0, 2]" in r.stdout
-    drafter = load_dspark_drafter(tmp_path / "d", tiny[name])
+    drafter = load_drafter_checkpoint(tmp_path / "d", tiny[name])
     assert drafter.cfg.markov_rank == 12 and drafter.cfg.enable_confidence_head
     assert "layers.1.self_attn.q_proj.bias" in drafter.model.state_dict()
     r = _dspark("draft", "init", "--model", str(path), "--out", str(tmp_path / "e"), "--head", "none")

@@ -1,14 +1,12 @@
 """The DSpark drafter: both forward paths agree, drafting is lossless, probabilities are exact."""
 
-import dataclasses
-
 import pytest
 import torch
 
 from dspark.decode.generate import Decoder
 from dspark.decode.sampling import SamplingParams, probs_from_logits
 from dspark.target.loading import load_target
-from helpers import eval_prompts, make_random_dspark, make_tiny_hf_model
+from helpers import eval_prompts, first_two_tokens_tv, make_random_dspark
 
 HEADS = ["vanilla", "gated", "rnn", "none"]
 
@@ -23,10 +21,10 @@ def _teacher_forced_logits(drafter, target, tokens, anchors):
     g = drafter.block_size
     out = target.model(torch.tensor([tokens]), target.model.new_cache(1, len(tokens)), taps=drafter.tap_layers)
     a = torch.tensor([anchors])
-    idx = (a[..., None] + torch.arange(g)).clamp(max=len(tokens) - 1)
-    prev = torch.tensor(tokens)[idx]
+    prev = torch.tensor(tokens)[(a[..., None] + torch.arange(g)).clamp(max=len(tokens) - 1)]
     with torch.no_grad():
-        logits, conf = drafter.model.forward_train(out.taps, a, prev, target.model.embed_tokens, target.model.lm_head)
+        logits, conf = drafter.model.forward_train(out.taps, torch.tensor([tokens]), a, target.model.embed_tokens,
+                                                   target.model.lm_head)
     return out.taps[0], prev[0], logits[0], conf
 
 
@@ -69,10 +67,10 @@ def test_sampled_block_carries_the_exact_probabilities_it_was_drawn_from(tiny_lo
         block = drafter.propose(anchor, 6, params, gen)
         seq = tokens + [anchor] + block.tokens
         taps = target.model(torch.tensor([seq]), target.model.new_cache(1, 64), taps=drafter.tap_layers).taps
-        prev = torch.tensor([[[anchor] + block.tokens[:-1]]])
-        with torch.no_grad():
+        with torch.no_grad():  # teacher forcing with the sampled tokens: prev = [anchor, d_0, ...]
             logits, conf = drafter.model.forward_train(
-                taps, torch.tensor([[len(tokens)]]), prev, target.model.embed_tokens, target.model.lm_head)
+                taps, torch.tensor([seq]), torch.tensor([[len(tokens)]]), target.model.embed_tokens,
+                target.model.lm_head)
         want = probs_from_logits(logits[0, 0], params)
         assert block.probs.shape == want.shape
         assert (block.probs - want).abs().max() < 1e-5
@@ -106,33 +104,7 @@ def test_greedy_with_random_drafter_equals_plain_greedy_on_smollm2(smollm2_fp32,
 
 def test_first_two_tokens_follow_the_target_distribution_at_t1(tmp_path):
     """Seeded end-to-end runs at T=1 with a Markov drafter: the empirical joint distribution of the
-    first two generated tokens matches the target's exact one (total variation < 0.01).
-
-    A 4-token vocabulary keeps the 16-outcome joint estimable: with its spread (sum of
-    sqrt(p(1-p)) = 1.28) the expected sampling noise at 10k runs is TV ~0.005 (measured: 0.003)."""
-    vocab = 4
-    target = load_target(make_tiny_hf_model("llama", tmp_path / "v4", vocab=vocab, layers=2, hidden=32),
-                         dtype=torch.float32, pack=False, require_tokenizer=False)
-    target = dataclasses.replace(target, eos_token_ids=frozenset())
-    m = target.model
-    with torch.no_grad():
-        m.lm_head.mul_(3.0)  # sharper distributions: less sampling noise per run
-    params = SamplingParams(temperature=1.0)
-    prompt = [2, 3, 2, 1]
-    exact = torch.zeros(vocab, vocab, dtype=torch.float64)
-    p1 = probs_from_logits(m.logits(m(torch.tensor([prompt]), m.new_cache(1, 8)).hidden[0, -1]), params)
-    for a in range(vocab):
-        p2 = probs_from_logits(m.logits(m(torch.tensor([prompt + [a]]), m.new_cache(1, 8)).hidden[0, -1]), params)
-        exact[a] = p1[a].double() * p2.double()
-    drafter = make_random_dspark(target, "vanilla", block_size=3, rank=4, std=0.5)
-    spec = Decoder(target, drafter)
-    n = 10_000
-    counts = torch.zeros(vocab * vocab, dtype=torch.float64)
-    accepted = 0
-    for seed in range(n):
-        r = spec.generate(prompt, 3, params, seed=seed)  # round 1 verifies one draft: token 2
-        counts[r.token_ids[0] * vocab + r.token_ids[1]] += 1
-        accepted += r.rounds[0].accepted
-    tv = 0.5 * (counts / n - exact.flatten()).abs().sum().item()
-    assert 0.1 < accepted / n < 0.9, accepted / n  # drafts accepted and rejected: both paths exercised
+    first two generated tokens matches the target's exact one (total variation < 0.01)."""
+    tv, accept = first_two_tokens_tv(tmp_path, lambda t: make_random_dspark(t, "vanilla", block_size=3, rank=4, std=0.5))
+    assert 0.1 < accept < 0.9, accept  # drafts accepted and rejected: both paths exercised
     assert tv < 0.01, f"total variation {tv:.4f}"

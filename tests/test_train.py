@@ -43,7 +43,7 @@ def _log(out):
     return [r for r in recs if "val" not in r], [r for r in recs if "val" in r]
 
 
-@pytest.mark.parametrize("algorithm", ["dspark", "dflash"])
+@pytest.mark.parametrize("algorithm", ["dspark", "dflash", "eagle3"])
 def test_loss_falls_and_validation_tau_rises(tiny_run, tmp_path, algorithm):
     Trainer(_cfg(tiny_run, tmp_path / "run", algorithm=algorithm), progress=False).run()
     train, val = _log(tmp_path / "run")
@@ -54,9 +54,12 @@ def test_loss_falls_and_validation_tau_rises(tiny_run, tmp_path, algorithm):
     assert val[-1]["val"]["expected_tau"] > val[0]["val"]["expected_tau"] + 0.1
     assert (tmp_path / "run" / "curves.png").stat().st_size > 10_000
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
-    if algorithm == "dflash":
+    arch = json.loads((tmp_path / "run" / "final" / "config.json").read_text())["architectures"]
+    if algorithm != "dspark":
         assert all(r["tv"] == 0 and r["conf"] == 0 for r in train)
-        assert json.loads((tmp_path / "run" / "final" / "config.json").read_text())["architectures"] == ["LlamaDFlashModel"]
+        assert arch == [{"dflash": "LlamaDFlashModel", "eagle3": "LlamaEagle3Model"}[algorithm]]
+    if algorithm == "eagle3":
+        assert len(val[-1]["val"]["alpha"]) == 7  # the training-time test unrolls 7 steps
 
 
 def _dspark(*args, env=None, **kw):
@@ -167,3 +170,13 @@ def test_config_files_and_overrides(tmp_path):
     (tmp_path / "c.toml").write_text("data = [")
     with pytest.raises(DsparkError, match="cannot parse"):
         load_config(tmp_path / "c.toml")
+
+
+def test_shipped_configs_parse():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
+    assert configs
+    for path in configs:
+        cfg = load_config(path)
+        assert cfg.data and cfg.steps > 0

@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     rg.add_argument("--out", required=True, help="output JSONL file (appended to)")
     rg.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
     rg.add_argument("--limit", type=_positive_int, default=None, help="use only the first N prompts (after dedup)")
+    rg.add_argument("--shuffle", type=int, default=None, metavar="SEED",
+                    help="shuffle the prompts with this seed before --limit (a mixed subset of a sorted file)")
     rg.add_argument("--skip-validation-fraction", type=float, default=0.0, metavar="F",
                     help="leave out the prompts the trainer's id-hash split would hold out as validation")
     rg.add_argument("--max-new-tokens", type=_positive_int, default=512, help="reply budget (default 512)")
@@ -270,6 +272,10 @@ def cmd_data_regenerate(args) -> int:
             if p.id not in seen and not is_validation(p.id, args.skip_validation_fraction):
                 seen.add(p.id)
                 prompts.append(p)
+    if args.shuffle is not None:
+        import random
+
+        random.Random(args.shuffle).shuffle(prompts)
     prompts = prompts[: args.limit]
     if args.threads:
         torch.set_num_threads(args.threads)

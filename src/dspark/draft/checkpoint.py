@@ -53,9 +53,13 @@ def default_mask_token_id(target) -> int:
 
 
 def new_draft_config(target, **options) -> DraftConfig:
-    """A drafter config for `target`; unset options get defaults (5 spread taps, mask token)."""
+    """A drafter config for `target`; unset options get defaults (5 spread taps for DSpark, 3 for
+    EAGLE-3's low/mid/high features, an unused mask token)."""
     opts = {k: v for k, v in options.items() if v is not None}
-    opts.setdefault("target_layer_ids", default_tap_layers(target.cfg.num_hidden_layers))
+    if opts.get("kind") == "eagle3":
+        opts.update(markov_head_type="none", enable_confidence_head=False, num_hidden_layers=1)
+    count = 3 if opts.get("kind") == "eagle3" else 5
+    opts.setdefault("target_layer_ids", default_tap_layers(target.cfg.num_hidden_layers, count))
     opts.setdefault("mask_token_id", default_mask_token_id(target))
     return DraftConfig(target=target.cfg, **opts)
 
@@ -124,6 +128,24 @@ def check_against_target(cfg: DraftConfig, raw: dict, target, path: Path) -> Non
         )
 
 
+def new_model(cfg: DraftConfig):
+    """An initialised drafter model of the config's kind."""
+    if cfg.kind == "eagle3":
+        from dspark.draft.eagle3 import Eagle3Model
+
+        return Eagle3Model(cfg)
+    return DSparkModel(cfg)
+
+
+def wrap_drafter(model, target, num_draft_tokens: int | None = None):
+    """The inference-side Drafter for a drafter model."""
+    if model.cfg.kind == "eagle3":
+        from dspark.draft.eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter(model, target, num_draft_tokens)
+    return DSparkDrafter(model, target, num_draft_tokens)
+
+
 def load_model(path: str | Path, target) -> tuple[DSparkModel, dict]:
     """Load and validate a drafter checkpoint for `target`; returns the model (in the target's
     dtype and device) and the raw config dict."""
@@ -139,7 +161,7 @@ def load_model(path: str | Path, target) -> tuple[DSparkModel, dict]:
         raise DsparkError(f"{path / WEIGHTS} is not a readable safetensors file: {e}") from None
     for name in SHARED_TENSORS:
         tensors.pop(name, None)
-    model = DSparkModel(cfg)
+    model = new_model(cfg)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
@@ -158,12 +180,13 @@ def load_model(path: str | Path, target) -> tuple[DSparkModel, dict]:
     return model, raw
 
 
-def load_dspark_drafter(path: str | Path, target, num_draft_tokens: int | None = None) -> DSparkDrafter:
+def load_drafter_checkpoint(path: str | Path, target, num_draft_tokens: int | None = None):
+    """A ready Drafter (DSpark / DFlash / EAGLE-3) from a checkpoint directory."""
     model, _ = load_model(path, target)
     g = model.cfg.block_size
     if num_draft_tokens is not None and num_draft_tokens > g:
         raise DsparkError(f"--num-draft-tokens {num_draft_tokens} exceeds the drafter's block size {g}")
-    return DSparkDrafter(model, target, num_draft_tokens)
+    return wrap_drafter(model, target, num_draft_tokens)
 
 
 def export_drafter(path: str | Path, target, out: str | Path) -> Path:

@@ -26,7 +26,7 @@ def _target_architecture(d: dict) -> str:
     """HF architecture of the target a drafter config was made for (from its own architecture name)."""
     for arch in d.get("architectures") or []:
         for family, prefix in _ARCH_PREFIX.items():
-            if arch.startswith(prefix) and arch.removeprefix(prefix) in ("DSparkModel", "DFlashModel"):
+            if arch.startswith(prefix) and arch.removeprefix(prefix) in ("DSparkModel", "DFlashModel", "Eagle3Model"):
                 return TargetConfig.hf_architecture(family)
     if d.get("model_type") in _ARCH_PREFIX:
         return TargetConfig.hf_architecture(d["model_type"])
@@ -44,9 +44,14 @@ class DraftConfig:
     enable_confidence_head: bool = True
     mask_token_id: int = 0
     num_anchors: int = 32  # training default: anchors sampled per sequence
+    kind: str = "dspark"  # dspark (parallel block drafter, incl. DFlash mode) | eagle3 (autoregressive)
 
     def __post_init__(self):
         L = self.target.num_hidden_layers
+        if self.kind not in ("dspark", "eagle3"):
+            raise DsparkError(f"unknown drafter kind {self.kind!r}")
+        if self.kind == "eagle3" and (self.has_sequential_head or self.enable_confidence_head or self.num_hidden_layers != 1):
+            raise DsparkError("an EAGLE-3 drafter has one layer and no sequential or confidence head")
         if self.block_size < 2:
             raise DsparkError(f"block size must be >= 2, got {self.block_size}")
         if self.num_hidden_layers < 1:
@@ -80,7 +85,8 @@ class DraftConfig:
 
     def to_dict(self) -> dict:
         t = self.target
-        arch = _ARCH_PREFIX[t.family] + ("DFlashModel" if self.dflash else "DSparkModel")
+        kind = "Eagle3Model" if self.kind == "eagle3" else "DFlashModel" if self.dflash else "DSparkModel"
+        arch = _ARCH_PREFIX[t.family] + kind
         d = {k: v for k, v in t.to_hf_dict().items() if k not in ("architectures", "num_hidden_layers")}
         d.update(
             architectures=[arch],
@@ -117,6 +123,7 @@ class DraftConfig:
                 enable_confidence_head=bool(d.get("enable_confidence_head", False)),
                 mask_token_id=int(d["mask_token_id"]),
                 num_anchors=int(d.get("num_anchors", 32)),
+                kind="eagle3" if any("Eagle3" in a for a in d.get("architectures") or []) else "dspark",
             )
         except KeyError as e:
             raise DsparkError(f"drafter config.json lacks the field {e.args[0]!r}") from None

@@ -37,14 +37,18 @@ class RMSNorm(nn.Module):
 
 
 class DraftAttention(nn.Module):
-    """Target-shaped attention whose keys/values cover [context features ; block tokens]."""
+    """Target-shaped attention whose keys/values cover [context ; block tokens].
 
-    def __init__(self, t: TargetConfig):
+    `in_features` is the width of its input: the hidden size, or 2x for EAGLE-3's
+    [embedding ; feature] input."""
+
+    def __init__(self, t: TargetConfig, in_features: int | None = None):
         super().__init__()
+        d_in = in_features or t.hidden_size
         self.nh, self.nkv, self.hd = t.num_attention_heads, t.num_key_value_heads, t.head_dim
-        self.q_proj = nn.Linear(t.hidden_size, self.nh * self.hd, bias=t.attention_bias)
-        self.k_proj = nn.Linear(t.hidden_size, self.nkv * self.hd, bias=t.attention_bias)
-        self.v_proj = nn.Linear(t.hidden_size, self.nkv * self.hd, bias=t.attention_bias)
+        self.q_proj = nn.Linear(d_in, self.nh * self.hd, bias=t.attention_bias)
+        self.k_proj = nn.Linear(d_in, self.nkv * self.hd, bias=t.attention_bias)
+        self.v_proj = nn.Linear(d_in, self.nkv * self.hd, bias=t.attention_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, t.hidden_size, bias=False)
         if t.qk_norm:
             self.q_norm = RMSNorm(self.hd, t.rms_norm_eps)
@@ -55,22 +59,26 @@ class DraftAttention(nn.Module):
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(*x.shape[:-1], n, self.hd).transpose(-2, -3)  # [B, n, q, hd]
 
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = self._heads(self.q_proj(x), self.nh)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, cos, sin)
+
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, q, H] -> RoPE'd keys and values [B, nkv, q, hd]."""
+        """x [B, q, d_in] -> RoPE'd keys and values [B, nkv, q, hd]."""
         k = self._heads(self.k_proj(x), self.nkv)
         if self.k_norm is not None:
             k = self.k_norm(k)
         return apply_rope(k, cos, sin), self._heads(self.v_proj(x), self.nkv)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
-        q = self._heads(self.q_proj(x), self.nh)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        q = apply_rope(q, cos, sin)
-        k, v = self.keys_values(x, cos, sin)
-        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+    def attend(self, q, k, v, mask) -> torch.Tensor:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nkv != self.nh)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+        k, v = self.keys_values(x, cos, sin)
+        return self.attend(self.queries(x, cos, sin), torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)
 
 
 class DraftMLP(nn.Module):
@@ -97,25 +105,15 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DSparkModel(nn.Module):
-    """Trainable drafter weights; tensor names follow the DeepSpec layout (DESIGN.md §8)."""
+class DraftModelBase(nn.Module):
+    """What every drafter model shares: the target's RoPE, init, dtype."""
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.cfg = cfg
         t = cfg.target
-        H = t.hidden_size
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
-        self.hidden_norm = RMSNorm(H, t.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(t) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(H, t.rms_norm_eps)
-        self.markov_head = (
-            SequentialHead(cfg.markov_head_type, t.vocab_size, H, cfg.markov_rank) if cfg.has_sequential_head else None
-        )
-        self.confidence_head = ConfidenceHead(H, cfg.head_rank) if cfg.enable_confidence_head else None
         inv_freq = 1.0 / (t.rope_theta ** (torch.arange(0, t.head_dim, 2, dtype=torch.int64).float() / t.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """HF-style init: normal(0, std) matrices, zero biases, unit norms."""
@@ -132,13 +130,35 @@ class DSparkModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
-    # ---- shared pieces -------------------------------------------------------------------------
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pos [B, q] absolute positions -> cos, sin [B, 1, q, hd] (same values as the target's tables)."""
         emb = pos.float()[..., None] * self.inv_freq
         emb = torch.cat((emb, emb), dim=-1)
         return emb.cos().to(self.dtype)[:, None], emb.sin().to(self.dtype)[:, None]
 
+    def forward(self, *args, **kwargs):
+        """The training path (what DistributedDataParallel calls)."""
+        return self.forward_train(*args, **kwargs)
+
+
+class DSparkModel(DraftModelBase):
+    """Trainable drafter weights; tensor names follow the DeepSpec layout (DESIGN.md §8)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__(cfg)
+        t = cfg.target
+        H = t.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, t.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(t) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(H, t.rms_norm_eps)
+        self.markov_head = (
+            SequentialHead(cfg.markov_head_type, t.vocab_size, H, cfg.markov_rank) if cfg.has_sequential_head else None
+        )
+        self.confidence_head = ConfidenceHead(H, cfg.head_rank) if cfg.enable_confidence_head else None
+        self.reset_parameters()
+
+    # ---- shared pieces -------------------------------------------------------------------------
     def context(self, taps: torch.Tensor) -> torch.Tensor:
         """Tapped target features [..., m, H] -> context features H_ctx [..., H]."""
         return self.hidden_norm(self.fc(taps.flatten(-2).to(self.dtype)))
@@ -167,30 +187,33 @@ class DSparkModel(nn.Module):
         return logits, conf
 
     # ---- training path -------------------------------------------------------------------------
-    def forward(self, *args, **kwargs):
-        """The training path (what DistributedDataParallel calls)."""
-        return self.forward_train(*args, **kwargs)
+    @property
+    def train_slots(self) -> int:
+        """Predictions per anchor in training (block slots)."""
+        return self.cfg.block_size
 
     def forward_train(
         self,
         taps: torch.Tensor,
+        ids: torch.Tensor,
         anchors: torch.Tensor,
-        prev_tokens: torch.Tensor,
         embed_weight: torch.Tensor,
         lm_head_weight: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """All anchors of a batch of sequences in one forward.
 
-        taps [B, S, m, H]: tapped target features of every position; anchors [B, A]: anchor
-        positions (any value for padding slots: they see no context and are masked out of the loss
-        by the caller); prev_tokens [B, A, γ]: teacher-forced previous tokens, prev[..., 0] is the
-        anchor token and prev[..., k] the true token at anchor + k.
+        taps [B, S, m, H]: tapped target features of every position; ids [B, S]: the tokens (the
+        heads are teacher-forced with them: prev_k is the true token at anchor + k); anchors
+        [B, A]: anchor positions (any value for padding slots: they see no context and the caller
+        masks them out of the loss).
         Returns logits [B, A, γ, V] (slot k predicts position anchor + k + 1) and confidence logits
         [B, A, γ] (None without a confidence head).
         """
         B, S = taps.shape[:2]
         A, g = anchors.shape[1], self.cfg.block_size
         dev = taps.device
+        idx = (anchors[..., None] + torch.arange(g, device=dev)).clamp(max=S - 1)
+        prev_tokens = ids.gather(1, idx.flatten(1)).view(B, A, g)
         if taps.is_inference():  # target features computed under inference_mode
             taps = taps.clone()
         ctx = self.context(taps)

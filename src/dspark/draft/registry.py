@@ -19,6 +19,6 @@ def load_drafter(spec: str | None, target, num_draft_tokens: int | None = None) 
     path = Path(spec).expanduser()
     if not path.exists():
         raise DsparkError(f"drafter {spec!r} is neither a known drafter ({DRAFTER_CHOICES}) nor an existing path")
-    from dspark.draft.checkpoint import load_dspark_drafter
+    from dspark.draft.checkpoint import load_drafter_checkpoint
 
-    return load_dspark_drafter(path, target, num_draft_tokens)
+    return load_drafter_checkpoint(path, target, num_draft_tokens)

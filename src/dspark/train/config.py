@@ -48,6 +48,8 @@ class TrainConfig:
     tv_weight: float = 0.9
     conf_weight: float = 1.0
     position_decay: float = 4.0  # λ in w_k = exp(-k / λ)
+    ttt_steps: int = 7  # eagle3: steps the training-time test unrolls
+    ttt_decay: float = 0.8  # eagle3: step weights ttt_decay^k
     # bookkeeping
     checkpoint_every: int = 100
     eval_every: int = 100
@@ -62,7 +64,8 @@ class TrainConfig:
             raise DsparkError(f"unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
         if self.block_size < 2:
             raise DsparkError(f"block_size must be >= 2, got {self.block_size}")
-        for name in ("steps", "batch_size", "grad_accum", "anchors_per_seq", "layers", "checkpoint_every", "eval_every"):
+        for name in ("steps", "batch_size", "grad_accum", "anchors_per_seq", "layers", "checkpoint_every", "eval_every",
+                     "ttt_steps"):
             if getattr(self, name) < 1:
                 raise DsparkError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_seq_len < 4:

@@ -13,6 +13,11 @@ def position_weights(block_size: int, decay: float) -> torch.Tensor:
     return torch.exp(-torch.arange(block_size, dtype=torch.float32) / decay)
 
 
+def step_weights(steps: int, base: float) -> torch.Tensor:
+    """EAGLE-3 training-time-test weights base^k."""
+    return base ** torch.arange(steps, dtype=torch.float32)
+
+
 @dataclasses.dataclass
 class LossSums:
     """Weighted sums over supervised slots (divide by the global weight to get means)."""
@@ -32,17 +37,23 @@ def kd_loss_sums(
     ce_weight: float,
     tv_weight: float,
     conf_weight: float,
+    soft_ce_weight: float = 0.0,
 ) -> LossSums:
     """Supervised slots only: draft/target logits [N, V], confidence logits [N], labels [N],
     weights [N] (w_k of each slot's block position).
 
     CE on the regenerated token, L1 distance ‖p_d − p_t‖₁ to the target distribution, and BCE of
-    the confidence head against c* = 1 − ½‖p_d − p_t‖₁ (detached)."""
+    the confidence head against c* = 1 − ½‖p_d − p_t‖₁ (detached); EAGLE-3 uses the soft
+    cross-entropy −Σ p_t log p_d instead (reported in the `ce` field)."""
     w = weights
     log_pd = F.log_softmax(draft_logits.float(), dim=-1)
-    ce = -log_pd.gather(-1, labels[:, None]).squeeze(-1)
     zero = log_pd.new_zeros(())
     tv = conf = zero
+    if soft_ce_weight:
+        soft = -(F.softmax(target_logits.float(), dim=-1) * log_pd).sum(-1)
+        ce = (w * soft).sum()
+        return LossSums(soft_ce_weight * ce, ce, tv, conf)
+    ce = -log_pd.gather(-1, labels[:, None]).squeeze(-1)
     if tv_weight or conf_weight:
         p_t = F.softmax(target_logits.float(), dim=-1)
         l1 = (log_pd.exp() - p_t).abs().sum(-1)

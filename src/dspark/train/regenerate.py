@@ -58,6 +58,7 @@ def finished_ids(out_path: Path) -> set[str]:
     return done
 
 
+@torch.inference_mode()
 def regenerate(
     target,
     prompts: list[Prompt],
@@ -96,7 +97,7 @@ def regenerate(
     cache = model.new_cache(B, max_len)
     rows: list[dict | None] = [None] * B
     next_tokens = torch.zeros(B, 1, dtype=torch.long)
-    new_tokens = 0
+    new_tokens = prompts_done = 0
     t0 = time.perf_counter()
     bar = tqdm(total=len(queue), desc="regenerating", unit="prompt", disable=not progress)
 
@@ -113,7 +114,7 @@ def regenerate(
     with open(out_path, "a", encoding="utf-8") as f:
 
         def finish_row(b: int, reason: str) -> None:
-            nonlocal new_tokens
+            nonlocal new_tokens, prompts_done
             r = rows[b]
             line = {
                 "id": r["prompt"].id,
@@ -125,6 +126,7 @@ def regenerate(
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
             f.flush()
             new_tokens += len(r["out"])
+            prompts_done += 1
             rows[b] = None
             cache.lengths[b] = 0
             bar.update(1)
@@ -161,7 +163,7 @@ def regenerate(
     bar.close()
     elapsed = time.perf_counter() - t0
     return {
-        "prompts_done": bar.n,
+        "prompts_done": prompts_done,
         "skipped_finished": len(done),
         "skipped_too_long": too_long,
         "new_tokens": new_tokens,

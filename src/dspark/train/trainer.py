@@ -28,13 +28,14 @@ from tqdm import tqdm
 
 from dspark.draft.checkpoint import load_model, new_draft_config, save_drafter
 from dspark.draft.dspark import DSparkModel
+from dspark.draft.eagle3 import Eagle3Model
 from dspark.errors import DsparkError
 from dspark.fsutil import atomic_directory
 from dspark.target.loading import load_target
 from dspark.target.model import cpu_has_native_bf16
 from dspark.train.config import TrainConfig
 from dspark.train.data import Sample, is_validation, load_samples
-from dspark.train.losses import acceptance_sums, expected_tau, kd_loss_sums, position_weights
+from dspark.train.losses import acceptance_sums, expected_tau, kd_loss_sums, position_weights, step_weights
 
 # Options a resumed run may change; anything else must match the checkpoint.
 RESUMABLE_CHANGES = {"steps", "checkpoint_every", "eval_every", "threads", "out"}
@@ -95,8 +96,11 @@ class Trainer:
 
         self.model = self._build_model()
         self.taps = tuple(self.model.cfg.target_layer_ids)
-        self.dflash = cfg.algorithm == "dflash"
-        self.weights_k = position_weights(cfg.block_size, cfg.position_decay)
+        self.slots = self.model.train_slots  # predictions per anchor: block slots or TTT steps
+        if cfg.algorithm == "eagle3":
+            self.weights_k = step_weights(self.slots, cfg.ttt_decay)
+        else:
+            self.weights_k = position_weights(self.slots, cfg.position_decay)
         self.autocast = cfg.autocast == "bf16" or (cfg.autocast == "auto" and cpu_has_native_bf16())
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
@@ -113,10 +117,21 @@ class Trainer:
         self.ddp = torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 else self.model
 
     # ---- setup ---------------------------------------------------------------------------
-    def _build_model(self) -> DSparkModel:
+    def _build_model(self):
         c = self.cfg
+        eagle = c.algorithm == "eagle3"
         if c.init:
             model, _ = load_model(c.init, self.target)
+            if (model.cfg.kind == "eagle3") != eagle:
+                raise DsparkError(f"init drafter {c.init} is a {model.cfg.kind} drafter, not {c.algorithm}")
+        elif eagle:
+            torch.manual_seed(c.seed)
+            model = Eagle3Model(new_draft_config(
+                self.target, kind="eagle3", block_size=c.block_size, target_layer_ids=c.tap_layers or None,
+                mask_token_id=None if c.mask_token_id < 0 else c.mask_token_id, num_anchors=c.anchors_per_seq))
+        if eagle:
+            model.ttt_steps = c.ttt_steps
+        if c.init or eagle:
             return model.float().requires_grad_(True).train()
         dspark = c.algorithm == "dspark"
         cfg = new_draft_config(
@@ -160,13 +175,13 @@ class Trainer:
         for s, anchors in items:
             n = min(len(s.prompt_ids) + len(s.response_ids), self.cfg.max_seq_len)
             for p in anchors:
-                total += sum(w[: min(self.cfg.block_size, n - 1 - p)])
+                total += sum(w[: min(self.slots, n - 1 - p)])
         return total
 
     # ---- forward -------------------------------------------------------------------------
     def batch_outputs(self, items, model):
         """Target + drafter forward for a micro-batch; returns everything the losses need."""
-        g, A = self.cfg.block_size, self.cfg.anchors_per_seq
+        g, A = self.slots, self.cfg.anchors_per_seq
         seqs = [(s.prompt_ids + s.response_ids)[: self.cfg.max_seq_len] for s, _ in items]
         b, S = len(seqs), max(len(x) for x in seqs)
         ids = torch.zeros(b, S, dtype=torch.long)
@@ -181,7 +196,7 @@ class Trainer:
         pos = anchors[..., None] + torch.arange(g)  # input position of each slot; predicts pos + 1
         sup = valid[..., None] & (pos + 1 < lengths[:, None, None])
         gather = lambda t: t.gather(1, pos.clamp(max=S - 1).flatten(1)).view(b, A, g)  # noqa: E731
-        prev, labels = gather(ids), gather(torch.cat([ids[:, 1:], ids[:, :1]], dim=1))
+        labels = gather(torch.cat([ids[:, 1:], ids[:, :1]], dim=1))
 
         tm = self.target.model
         out = tm(ids, tm.new_cache(b, S), taps=self.taps)
@@ -191,7 +206,7 @@ class Trainer:
             target_logits = tm.logits(hidden[sup]).clone()  # [n_sup, V], a plain (non-inference) tensor
         amp = torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
         with amp:
-            logits, conf = model(out.taps, anchors, prev, tm.embed_tokens, tm.lm_head)
+            logits, conf = model(out.taps, ids, anchors, tm.embed_tokens, tm.lm_head)
         w = (self.weights_k * sup).float()
         return dict(logits=logits, conf=conf, target_logits=target_logits, labels=labels, sup=sup, w=w,
                     tokens=int(lengths.sum()), blocks=int(valid.sum()))
@@ -200,8 +215,11 @@ class Trainer:
         c = self.cfg
         sup = o["sup"]
         conf = o["conf"][sup] if o["conf"] is not None else None
-        if self.dflash:
+        if c.algorithm == "dflash":
             return kd_loss_sums(o["logits"][sup], None, o["target_logits"], o["labels"][sup], o["w"][sup], 1.0, 0.0, 0.0)
+        if c.algorithm == "eagle3":
+            return kd_loss_sums(o["logits"][sup], None, o["target_logits"], o["labels"][sup], o["w"][sup], 0.0, 0.0,
+                                0.0, soft_ce_weight=1.0)
         return kd_loss_sums(o["logits"][sup], conf, o["target_logits"], o["labels"][sup], o["w"][sup],
                             c.ce_weight, c.tv_weight, c.conf_weight)
 
@@ -248,7 +266,7 @@ class Trainer:
         """Loss terms and per-position acceptance α_k on the validation set (fixed anchors)."""
         if not self.val_set:
             return {}
-        g = self.cfg.block_size
+        g = self.slots
         self.model.eval()
         sums = torch.zeros(4, dtype=torch.float64)
         a_sum, a_cnt = torch.zeros(g, dtype=torch.float64), torch.zeros(g, dtype=torch.float64)
