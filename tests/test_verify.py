@@ -99,3 +99,21 @@ def test_invalid_sampling_params_are_rejected(kwargs):
 
     with pytest.raises(DsparkError):
         SamplingParams(**kwargs)
+
+
+def test_nucleus_shortcut_equals_the_full_sort():
+    """top-p through top-k candidates must keep exactly the tokens a full sort keeps."""
+    from dspark.decode.sampling import SamplingParams, probs_from_logits
+
+    gen = torch.Generator().manual_seed(0)
+    for scale in (0.3, 1.0, 4.0):  # flat rows need the 4096 tier or the full sort; peaked ones not
+        logits = scale * torch.randn(6, 49152, generator=gen)
+        for top_p in (0.5, 0.9, 0.99):
+            got = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=top_p))
+            probs = torch.softmax(logits, -1)
+            sorted_p, order = probs.sort(-1, descending=True)
+            drop = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, (sorted_p.cumsum(-1) - sorted_p) >= top_p)
+            want = probs.masked_fill(drop, 0.0)
+            want = want / want.sum(-1, keepdim=True)
+            assert torch.equal(got > 0, want > 0)
+            assert torch.allclose(got, want, atol=1e-7)

@@ -44,13 +44,28 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the top token always survives)
-        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = _nucleus(probs, params.top_p)
     return probs
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest most-likely prefix whose mass reaches top_p (the top token always survives).
+
+    Sorting a whole vocabulary row is slow on CPU (~5 ms for 49k entries), so the prefix is first
+    searched among the top 256, then 4096 entries; when their mass reaches top_p the nucleus lies
+    inside them and the result equals the full sort's."""
+    V = probs.shape[-1]
+    for k in (256, 4096, V):
+        if k >= V:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            break
+        sorted_p, order = probs.topk(k, dim=-1)
+        if bool((sorted_p.sum(-1) >= top_p).all()):
+            break
+    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep_sorted)
+    probs = probs.masked_fill(~keep, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
