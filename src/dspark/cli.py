@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from dspark.errors import DsparkError
 
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", default="prompt-lookup",
                    help="none | prompt-lookup | PATH to a drafter checkpoint (default prompt-lookup)")
     g.add_argument("--num-draft-tokens", type=_positive_int, default=None, help="max draft tokens per round")
+    g.add_argument("--confidence-threshold", type=float, default=None, metavar="C",
+                   help="verify drafts only while their calibrated prefix survival >= C (drafters with a confidence head)")
     g.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all cores)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
@@ -148,6 +151,48 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
     tr.set_defaults(func=cmd_train)
+
+    ev = sub.add_parser(
+        "eval",
+        help="accepted length, acceptance, calibration and speed of drafters vs plain AR",
+        description="Run every --drafter and plain AR on the same prompts (order rotated per prompt so "
+        "machine drift hits all alike) and write OUT/results.json, OUT/report.md and plots: τ, conditional "
+        "acceptance per block position, verify efficiency, decode tok/s, speedup over AR, and for drafters "
+        "with a confidence head ECE / ROC-AUC / Brier of the prefix-survival product.",
+    )
+    ev.add_argument("--drafter", action="append", required=True, help="prompt-lookup | PATH (repeatable)")
+    ev.add_argument("--dataset", action="append", default=None,
+                    help="JSONL with {\"turns\": [...]} per line (repeatable; default: the five bundled eval sets)")
+    ev.add_argument("--limit", type=_positive_int, default=None, help="first N prompts of each dataset")
+    ev.add_argument("--max-new-tokens", type=_positive_int, default=256, help="(default 256)")
+    ev.add_argument("--temperature", type=float, action="append", default=None,
+                    help="sampling temperature (repeatable; default 0)")
+    ev.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i (default 0)")
+    ev.add_argument("--confidence-threshold", type=float, default=None,
+                    help="verify drafts only while calibrated prefix survival >= C (drafters with a confidence head)")
+    ev.add_argument("--out", required=True, help="output directory")
+    ev.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
+    ev.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto (default auto)")
+    ev.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all cores)")
+    ev.set_defaults(func=cmd_eval)
+
+    ca = sub.add_parser(
+        "calibrate",
+        help="fit Sequential Temperature Scaling of a drafter's confidence head",
+        description="Record rounds verified at full length on held-out prompts, fit one temperature per block "
+        "position (Sequential Temperature Scaling, DESIGN.md §6) and store them in the drafter's config.json. "
+        "Use prompts that are not in your evaluation sets.",
+    )
+    ca.add_argument("--drafter", required=True, help="drafter checkpoint directory (with a confidence head)")
+    ca.add_argument("--dataset", action="append", required=True, help="held-out prompt JSONL (repeatable)")
+    ca.add_argument("--limit", type=_positive_int, default=None, help="first N prompts of each dataset")
+    ca.add_argument("--max-new-tokens", type=_positive_int, default=256, help="(default 256)")
+    ca.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
+    ca.add_argument("--seed", type=int, default=0)
+    ca.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
+    ca.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto (default auto)")
+    ca.add_argument("--dry-run", action="store_true", help="report, but do not write the temperatures")
+    ca.set_defaults(func=cmd_calibrate)
     return parser
 
 
@@ -222,7 +267,7 @@ def cmd_generate(args) -> int:
         torch.set_num_threads(args.threads)
 
     target = load_target(args.model, dtype=dtype)
-    drafter = load_drafter(args.drafter, target, args.num_draft_tokens)
+    drafter = load_drafter(args.drafter, target, args.num_draft_tokens, args.confidence_threshold)
     prompt_ids = target.encode_prompt(args.prompt, chat=not args.raw)
     decoder = Decoder(target, drafter)
 
@@ -300,6 +345,69 @@ def cmd_train(args) -> int:
     if trainer.rank == 0:
         tau = f", validation expected tau {val['expected_tau']:.3f}" if val else ""
         print(f"trained {cfg.steps} steps -> {trainer.out / 'final'}{tau}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import torch
+
+    from dspark.eval.runner import default_datasets, evaluate, write_report
+    from dspark.target.loading import load_target, parse_dtype
+
+    from dspark.decode.sampling import SamplingParams
+
+    temps = args.temperature or [0.0]
+    for t in temps:
+        SamplingParams(temperature=t)  # validates
+    datasets = args.dataset or default_datasets()
+    for d in datasets:
+        if not Path(d).is_file():
+            raise DsparkError(f"dataset {d} does not exist")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.model, dtype=parse_dtype(args.dtype))
+    results = evaluate(target, args.drafter, datasets, args.limit, args.max_new_tokens, temps, args.seed,
+                       args.confidence_threshold)
+    out = Path(args.out)
+    write_report(results, out)
+    print((out / "report.md").read_text())
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from tqdm import tqdm
+
+    from dspark.decode.generate import Decoder
+    from dspark.decode.sampling import SamplingParams
+    from dspark.draft.checkpoint import load_drafter_checkpoint, write_temperatures
+    from dspark.eval import metrics
+    from dspark.eval.calibration import fit_sts
+    from dspark.eval.runner import load_eval_prompts
+    from dspark.target.loading import load_target, parse_dtype
+
+    params = SamplingParams(temperature=args.temperature)
+    prompts = [p for d in args.dataset for p in load_eval_prompts(d)[: args.limit]]
+    target = load_target(args.model, dtype=parse_dtype(args.dtype))
+    drafter = load_drafter_checkpoint(args.drafter, target)
+    if not drafter.cfg.enable_confidence_head:
+        raise DsparkError(f"{args.drafter} has no confidence head: nothing to calibrate")
+    decoder = Decoder(target, drafter)
+    rounds = []
+    for i, text in enumerate(tqdm(prompts, desc="recording rounds", unit="prompt")):
+        rounds += decoder.generate(target.encode_prompt(text), args.max_new_tokens, params, seed=args.seed + i).rounds
+    g = drafter.block_size
+    temps = fit_sts(rounds, g)
+    before = metrics.calibration_report(rounds, g, None)
+    after = metrics.calibration_report(rounds, g, temps)
+    print(f"{len(rounds)} rounds from {len(prompts)} prompts, block size {g}")
+    print("position  temperature  ECE before  ECE after  AUC")
+    for k in range(g):
+        b, a = before["per_position"][k], after["per_position"][k]
+        print(f"{k:8d}  {temps[k]:11.3f}  {b['ece']:10.4f}  {a['ece']:9.4f}  {a['auc']:.3f}")
+    print(f"mean ECE {before['ece']:.4f} -> {after['ece']:.4f}, mean AUC {after['auc']:.3f}")
+    if not args.dry_run:
+        write_temperatures(args.drafter, temps)
+        print(f"wrote confidence_temperatures to {Path(args.drafter) / 'config.json'}")
     return 0
 
 

@@ -8,6 +8,7 @@ and drops them. Every load validates the drafter against the target it is meant 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -180,13 +181,37 @@ def load_model(path: str | Path, target) -> tuple[DSparkModel, dict]:
     return model, raw
 
 
-def load_drafter_checkpoint(path: str | Path, target, num_draft_tokens: int | None = None):
-    """A ready Drafter (DSpark / DFlash / EAGLE-3) from a checkpoint directory."""
-    model, _ = load_model(path, target)
+def load_drafter_checkpoint(
+    path: str | Path, target, num_draft_tokens: int | None = None, confidence_threshold: float | None = None
+):
+    """A ready Drafter (DSpark / DFlash / EAGLE-3) from a checkpoint directory, with its calibration
+    temperatures; `confidence_threshold` verifies drafts only while their calibrated prefix
+    survival stays >= the threshold (drafters with a confidence head)."""
+    model, raw = load_model(path, target)
     g = model.cfg.block_size
     if num_draft_tokens is not None and num_draft_tokens > g:
         raise DsparkError(f"--num-draft-tokens {num_draft_tokens} exceeds the drafter's block size {g}")
-    return wrap_drafter(model, target, num_draft_tokens)
+    drafter = wrap_drafter(model, target, num_draft_tokens)
+    if confidence_threshold is not None:
+        if not model.cfg.enable_confidence_head:
+            raise DsparkError(f"{path} has no confidence head: --confidence-threshold needs one")
+        if not 0.0 <= confidence_threshold <= 1.0:
+            raise DsparkError(f"--confidence-threshold must be in [0, 1], got {confidence_threshold}")
+        drafter.confidence_threshold = confidence_threshold
+    temps = raw.get("confidence_temperatures")
+    if temps is not None:
+        drafter.temperatures = [float(t) for t in temps]
+    return drafter
+
+
+def write_temperatures(path: str | Path, temperatures: list[float]) -> None:
+    """Store calibration temperatures in a checkpoint's config.json (atomic replace)."""
+    path = Path(path).expanduser()
+    raw = read_config(path)
+    raw["confidence_temperatures"] = [round(float(t), 6) for t in temperatures]
+    tmp = path / ".config.json.tmp"
+    tmp.write_text(json.dumps(raw, indent=2) + "\n")
+    os.replace(tmp, path / "config.json")
 
 
 def export_drafter(path: str | Path, target, out: str | Path) -> Path:

@@ -21,7 +21,7 @@ from torch import nn
 from dspark.decode.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
 from dspark.draft.base import DraftBlock, Drafter
 from dspark.draft.config import DraftConfig
-from dspark.draft.heads import ConfidenceHead, SequentialHead
+from dspark.draft.heads import ConfidenceHead, SequentialHead, prefix_survival
 from dspark.target.config import TargetConfig
 from dspark.target.model import apply_rope, rms_norm
 
@@ -248,6 +248,8 @@ class DSparkDrafter(Drafter):
         self._kv: list[list[torch.Tensor]] = []  # per layer [k, v] buffers [1, nkv, capacity, hd]
         self.length = 0  # committed context positions held in the cache
         self._w2t: torch.Tensor | None = None
+        self.temperatures: list[float] | None = None  # STS calibration (DESIGN.md §6)
+        self.confidence_threshold: float | None = None  # static-threshold verification
 
     def begin(self, prompt_ids: list[int]) -> None:
         m = self.model
@@ -325,4 +327,12 @@ class DSparkDrafter(Drafter):
             return sample(p, torch.rand(p.shape[0], generator=generator)).tolist()
 
         tokens, _, conf = self.run_heads(h, base, anchor, pick)
-        return DraftBlock(tokens, torch.cat(probs) if probs else None, None if conf is None else conf.float())
+        p_d = torch.cat(probs) if probs else None
+        if conf is not None and self.confidence_threshold is not None:
+            # verify while the calibrated prefix survival a_k stays >= C; a_k depends on d_0..d_{k-1}
+            # only (never on d_k), so this stopping rule keeps verification lossless
+            a = prefix_survival(conf.float().tolist(), self.temperatures)
+            keep = next((k for k, v in enumerate(a) if v < self.confidence_threshold), len(a))
+            tokens, conf = tokens[:keep], conf[:keep]
+            p_d = p_d[:keep] if p_d is not None else None
+        return DraftBlock(tokens, p_d, None if conf is None else conf.float())

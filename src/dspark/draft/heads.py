@@ -8,6 +8,9 @@ W2 with its own fast kernel.
 
 from __future__ import annotations
 
+import math
+from typing import Sequence
+
 import torch
 from torch import nn
 
@@ -71,3 +74,13 @@ class ConfidenceHead(nn.Module):
         x = h if prev_embed is None else torch.cat([h, prev_embed], dim=-1)
         return self.proj(x).squeeze(-1)
 
+
+def prefix_survival(logits: Sequence[float], temperatures: Sequence[float] | None = None) -> list[float]:
+    """a_k = Π_{i≤k} σ(z_i / T_i) from raw confidence logits (T_i = 1 when not calibrated)."""
+    out, run = [], 1.0
+    for i, z in enumerate(logits):
+        t = temperatures[i] if temperatures and i < len(temperatures) else 1.0
+        x = z / t
+        run *= 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+        out.append(run)
+    return out

@@ -1,0 +1,200 @@
+"""`dspark eval`: every drafter and plain AR on the same prompts, interleaved, with τ, acceptance,
+calibration and wall-clock speed (DESIGN.md §5)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dspark.decode.generate import Decoder, RoundRecord
+from dspark.decode.sampling import SamplingParams
+from dspark.draft.registry import load_drafter
+from dspark.errors import DsparkError
+from dspark.eval import metrics
+from dspark.train.data import read_jsonl
+
+DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[3] / "data" / "eval"
+
+
+def load_eval_prompts(path: str | Path) -> list[str]:
+    """First user turn of every line ({"turns": [...]}); a malformed line stops with its number."""
+    prompts = []
+    for lineno, obj in read_jsonl(path):
+        turns = obj.get("turns")
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
+            raise DsparkError(f"{path}:{lineno}: expected {{\"turns\": [\"user message\", ...]}}")
+        prompts.append(turns[0])
+    if not prompts:
+        raise DsparkError(f"{path} holds no prompts")
+    return prompts
+
+
+def default_datasets() -> list[Path]:
+    files = sorted(DEFAULT_EVAL_DIR.glob("*.jsonl"))
+    if not files:
+        raise DsparkError("no --dataset given and the bundled evaluation sets were not found; pass --dataset FILE")
+    return files
+
+
+@dataclasses.dataclass
+class RunAccumulator:
+    rounds: list[RoundRecord] = dataclasses.field(default_factory=list)
+    tokens: int = 0  # decode-round tokens (prefill token excluded)
+    decode_s: float = 0.0
+    prompts: int = 0
+
+    def add(self, result) -> None:
+        self.rounds += result.rounds
+        self.tokens += result.stats.new_tokens - 1
+        self.decode_s += result.stats.decode_s
+        self.prompts += 1
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.decode_s if self.decode_s else 0.0
+
+
+def drafter_name(spec: str) -> str:
+    return Path(spec).name if Path(spec).exists() else spec
+
+
+def evaluate(
+    target,
+    drafter_specs: list[str],
+    datasets: list[Path],
+    limit: int | None,
+    max_new_tokens: int,
+    temperatures: list[float],
+    seed: int = 0,
+    confidence_threshold: float | None = None,
+    progress: bool = True,
+) -> dict:
+    """Run every drafter and AR on the same prompts; returns {"runs": [...]} (see README)."""
+    prompt_sets = {Path(d).stem: load_eval_prompts(d)[:limit] for d in datasets}
+    engines: dict[str, Decoder] = {"ar": Decoder(target)}
+    drafters = {}
+    for spec in drafter_specs:
+        name = drafter_name(spec)
+        if name in engines:
+            raise DsparkError(f"drafter {spec!r} given twice")
+        threshold = confidence_threshold if spec not in ("prompt-lookup", "none") else None
+        drafters[name] = load_drafter(spec, target, None, threshold)
+        engines[name] = Decoder(target, drafters[name])
+    total = len(temperatures) * sum(len(p) for p in prompt_sets.values()) * len(engines)
+    acc: dict[tuple[str, str, float], RunAccumulator] = {}
+    bar = tqdm(total=total, desc="evaluating", unit="gen", disable=not progress)
+    names = list(engines)
+    for temp in temperatures:
+        params = SamplingParams(temperature=temp)
+        for ds, prompts in prompt_sets.items():
+            for i, text in enumerate(prompts):
+                ids = target.encode_prompt(text)
+                order = names[i % len(names) :] + names[: i % len(names)]  # rotate: drift hits all alike
+                for name in order:
+                    result = engines[name].generate(ids, max_new_tokens, params, seed=seed + i)
+                    acc.setdefault((name, ds, temp), RunAccumulator()).add(result)
+                    bar.update(1)
+    bar.close()
+
+    runs = []
+    for temp in temperatures:
+        for name, drafter in drafters.items():
+            per_ds = []
+            for ds in prompt_sets:
+                a, ar = acc[(name, ds, temp)], acc[("ar", ds, temp)]
+                per_ds.append(_run_record(name, ds, temp, a, ar, drafter))
+            runs += per_ds
+            runs.append(_macro(name, temp, per_ds))
+    return {"runs": runs, "config": {"datasets": {k: len(v) for k, v in prompt_sets.items()},
+                                     "max_new_tokens": max_new_tokens, "temperatures": temperatures, "seed": seed,
+                                     "confidence_threshold": confidence_threshold, "drafters": drafter_specs}}
+
+
+def _positions(drafter, rounds) -> int:
+    return getattr(drafter, "block_size", None) or max((r.drafted for r in rounds), default=0)
+
+
+def _run_record(name, ds, temp, a: RunAccumulator, ar: RunAccumulator, drafter) -> dict:
+    positions = _positions(drafter, a.rounds)
+    temps = getattr(drafter, "temperatures", None)
+    calibration = metrics.calibration_report(a.rounds, positions, temps)
+    if calibration is not None:
+        raw = metrics.calibration_report(a.rounds, positions, None)
+        calibration["temperatures"] = temps
+        calibration["uncalibrated"] = {k: raw[k] for k in ("ece", "auc", "brier", "per_position")}
+        calibration["threshold_sweep"] = metrics.threshold_sweep(
+            a.rounds, [i / 20 for i in range(20)], temps)
+    return {
+        "drafter": name,
+        "dataset": ds,
+        "temperature": temp,
+        "prompts": a.prompts,
+        "tau": metrics.tau(a.rounds),
+        "cond_accept": metrics.conditional_acceptance(a.rounds, positions),
+        "verify_efficiency": metrics.verify_efficiency(a.rounds),
+        "decode_tok_s": a.tok_s,
+        "ar_decode_tok_s": ar.tok_s,
+        "speedup": a.tok_s / ar.tok_s if ar.tok_s else 0.0,
+        "calibration": calibration,
+    }
+
+
+def _macro(name, temp, rows: list[dict]) -> dict:
+    mean = lambda key: statistics.fmean(r[key] for r in rows)  # noqa: E731
+    positions = max(len(r["cond_accept"]) for r in rows)
+    cond = []
+    for k in range(positions):
+        vals = [r["cond_accept"][k] for r in rows if k < len(r["cond_accept"]) and r["cond_accept"][k] is not None]
+        cond.append(statistics.fmean(vals) if vals else None)
+    cals = [r["calibration"] for r in rows if r["calibration"]]
+    calibration = None
+    if cals:
+        calibration = {k: statistics.fmean(c[k] for c in cals) for k in ("ece", "auc", "brier")}
+        calibration["uncalibrated"] = {k: statistics.fmean(c["uncalibrated"][k] for c in cals)
+                                       for k in ("ece", "auc", "brier")}
+    return {"drafter": name, "dataset": "macro", "temperature": temp, "prompts": sum(r["prompts"] for r in rows),
+            "tau": mean("tau"), "cond_accept": cond, "verify_efficiency": mean("verify_efficiency"),
+            "decode_tok_s": mean("decode_tok_s"), "ar_decode_tok_s": mean("ar_decode_tok_s"),
+            "speedup": mean("speedup"), "calibration": calibration}
+
+
+def write_report(results: dict, out: Path, rounds_for_plots=None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    cfg = results["config"]
+    lines = ["# dspark eval", "",
+             f"Datasets {cfg['datasets']} (prompts each), {cfg['max_new_tokens']} new tokens, seed {cfg['seed']}, "
+             f"confidence threshold {cfg['confidence_threshold']}. Every drafter and plain AR ran the same prompts "
+             "in rotating order; speedup = decode tok/s over AR's on the same prompts in the same run.", ""]
+    for temp in cfg["temperatures"]:
+        lines += [f"## T = {temp}", "",
+                  "| drafter | dataset | τ | verify eff. | decode tok/s | AR tok/s | speedup | ECE | AUC | Brier |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in results["runs"]:
+            if r["temperature"] != temp:
+                continue
+            c = r["calibration"] or {}
+            cal = " | ".join(f"{c[k]:.3f}" if k in c else "–" for k in ("ece", "auc", "brier"))
+            name = f"**{r['dataset']}**" if r["dataset"] == "macro" else r["dataset"]
+            lines.append(f"| {r['drafter']} | {name} | {r['tau']:.2f} | {r['verify_efficiency']:.2f} | "
+                         f"{r['decode_tok_s']:.1f} | {r['ar_decode_tok_s']:.1f} | {r['speedup']:.2f}x | {cal} |")
+        lines += ["", "Conditional acceptance by block position (macro average):", "",
+                  "| drafter | " + " | ".join(f"k={k}" for k in range(_max_positions(results, temp))) + " |",
+                  "|---|" + "---|" * _max_positions(results, temp)]
+        for r in results["runs"]:
+            if r["temperature"] == temp and r["dataset"] == "macro":
+                lines.append(f"| {r['drafter']} | " + " | ".join("–" if v is None else f"{v:.2f}"
+                                                               for v in r["cond_accept"]) + " |")
+        lines.append("")
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    from dspark.eval.plots import plot_eval
+
+    plot_eval(results, out)
+
+
+def _max_positions(results, temp) -> int:
+    return max((len(r["cond_accept"]) for r in results["runs"] if r["temperature"] == temp), default=0)

@@ -1,0 +1,136 @@
+"""Evaluation metrics, Sequential Temperature Scaling, `dspark eval` / `dspark calibrate`."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from dspark.decode.generate import Decoder, RoundRecord
+from dspark.draft.checkpoint import save_drafter
+from dspark.eval import metrics
+from dspark.eval.calibration import fit_sts
+from dspark.eval.runner import evaluate, write_report
+from dspark.target.loading import load_target
+from helpers import eval_prompts, make_random_dspark
+from test_cli import assert_clean_error, run_cli
+
+
+def test_metrics_on_hand_made_rounds():
+    rounds = [RoundRecord(4, 2, [2.0, 1.0, -1.0, 0.0]), RoundRecord(4, 4, [3.0, 2.0, 1.0, 1.0]),
+              RoundRecord(4, 0, [-2.0, 0.0, 0.0, 0.0]), RoundRecord(2, 1, [1.0, -3.0])]
+    assert metrics.tau(rounds) == (3 + 5 + 1 + 2) / 4
+    assert metrics.verify_efficiency(rounds) == 11 / (5 + 5 + 5 + 3)
+    # k=0: all 4 rounds reach it, 3 accept; k=1: rounds 1,2,4 reach it, 2 accept; k=2: rounds 1,2 reach, 1 accepts;
+    # k=3: only round 2 reaches and accepts (round 4 never verified positions 2, 3)
+    assert metrics.conditional_acceptance(rounds, 4) == [3 / 4, 2 / 3, 1 / 2, 1.0]
+    a = metrics.prefix_survival([2.0, 1.0, -1.0])
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    assert a == pytest.approx([sig(2), sig(2) * sig(1), sig(2) * sig(1) * sig(-1)])
+    assert metrics.prefix_survival([2.0, 1.0], [2.0, 0.5]) == pytest.approx([sig(1), sig(1) * sig(2)])
+    assert metrics.ece([0.1, 0.1, 0.9, 0.9], [0, 1, 1, 1]) == pytest.approx((2 * 0.4 + 2 * 0.1) / 4)
+    assert metrics.roc_auc([0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1]) == pytest.approx(0.75)
+    assert metrics.roc_auc([0.5, 0.5, 0.5], [0, 1, 1]) == pytest.approx(0.5)  # ties count half
+    assert math.isnan(metrics.roc_auc([0.2, 0.3], [1, 1]))
+    assert metrics.brier([0.2, 0.9], [0, 1]) == pytest.approx((0.04 + 0.01) / 2)
+    per = metrics.survival_samples(rounds, 4)
+    assert [len(s) for s, _ in per] == [4, 4, 3, 3] and per[1][1] == [1, 1, 0, 0]  # rounds that verified k
+    sweep = metrics.threshold_sweep(rounds, [0.0, 0.99])
+    assert sweep[0]["tokens_per_step"] == metrics.tau(rounds)  # C = 0 verifies everything
+    assert sweep[1]["tokens_per_step"] == 1.0 and sweep[1]["drafts_per_step"] == 0.0
+
+
+def test_sts_lowers_ece_of_overconfident_scores_and_keeps_the_ranking():
+    gen = torch.Generator().manual_seed(0)
+    g, rounds = 5, []
+    for _ in range(4000):
+        u = 1.5 * torch.randn(g, generator=gen) + 1.0  # true log-odds of each position surviving
+        ok = torch.rand(g, generator=gen) < torch.sigmoid(u)
+        accepted = int(ok.long().cumprod(0).sum())
+        rounds.append(RoundRecord(g, accepted, (3.0 * u).tolist()))  # reported 3x too confident
+    temps = fit_sts(rounds, g)
+    before = metrics.calibration_report(rounds, g, None)
+    after = metrics.calibration_report(rounds, g, temps)
+    assert all(t > 1.5 for t in temps[:3]), temps  # the fit undoes the over-confidence
+    assert after["ece"] < 0.5 * before["ece"] and after["ece"] < 0.03, (before["ece"], after["ece"])
+    # each σ(z_k / T_k) is a monotone map of z_k: its own ranking is unchanged exactly, hence so is
+    # the prefix product's at k = 0; later prefix products mix positions scaled differently, so
+    # their AUC may move slightly
+    assert after["per_position"][0]["auc"] == pytest.approx(before["per_position"][0]["auc"], abs=1e-12)
+    for b, a in zip(before["per_position"], after["per_position"]):
+        assert a["auc"] == pytest.approx(b["auc"], abs=0.01)
+    for k in range(g):
+        z = [r.confidence_logits[k] for r in rounds]
+        raw = [1 / (1 + math.exp(-x)) for x in z]
+        scaled = [1 / (1 + math.exp(-x / temps[k])) for x in z]
+        y = [int(r.accepted > k) for r in rounds]
+        assert metrics.roc_auc(scaled, y) == pytest.approx(metrics.roc_auc(raw, y), abs=1e-12)
+
+
+def test_eval_runs_every_drafter_and_ar_on_the_same_prompts(smollm2_fp32, tmp_path):
+    target = smollm2_fp32
+    ds = tmp_path / "mini.jsonl"
+    ds.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in eval_prompts("humaneval", 2)))
+    save_drafter(make_random_dspark(target, "vanilla", block_size=4, rank=8, std=0.02).model, tmp_path / "rand",
+                 target=target)
+    results = evaluate(target, ["prompt-lookup", str(tmp_path / "rand")], [ds], 2, 24, [0.0], progress=False)
+    runs = {(r["drafter"], r["dataset"]): r for r in results["runs"]}
+    assert set(runs) == {("prompt-lookup", "mini"), ("prompt-lookup", "macro"), ("rand", "mini"), ("rand", "macro")}
+    pl = runs[("prompt-lookup", "mini")]
+    assert pl["prompts"] == 2 and pl["tau"] >= 1.0 and pl["ar_decode_tok_s"] > 0
+    assert pl["speedup"] == pytest.approx(pl["decode_tok_s"] / pl["ar_decode_tok_s"])
+    assert pl["calibration"] is None and len(pl["cond_accept"]) >= 1
+    rnd = runs[("rand", "mini")]
+    assert rnd["calibration"] is not None and len(rnd["calibration"]["per_position"]) == 4
+    assert rnd["ar_decode_tok_s"] == pl["ar_decode_tok_s"]  # one AR baseline per dataset, shared
+    write_report(results, tmp_path / "out")
+    for f in ("results.json", "report.md", "cond_accept.png", "reliability_rand.png", "threshold_sweep_rand.png"):
+        assert (tmp_path / "out" / f).stat().st_size > 0
+    assert set(json.loads((tmp_path / "out" / "results.json").read_text())["runs"][0]) >= {
+        "drafter", "dataset", "temperature", "prompts", "tau", "cond_accept", "verify_efficiency", "decode_tok_s",
+        "ar_decode_tok_s", "speedup", "calibration"}
+
+
+def test_static_confidence_threshold_is_lossless_and_truncates(tiny_targets):
+    target = load_target(tiny_targets[0][1], dtype=torch.float32, require_tokenizer=False)
+    drafter = make_random_dspark(target, "gated", block_size=6, std=0.3)
+    drafter.confidence_threshold = 0.3
+    ar, spec = Decoder(target), Decoder(target, drafter)
+    drafted = []
+    for seed in range(3):
+        prompt = torch.randint(3, 128, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
+        got = spec.generate(prompt, 40)
+        assert got.token_ids == ar.generate(prompt, 40).token_ids
+        drafted += [r.drafted for r in got.rounds]
+        for r in got.rounds:  # every verified draft had prefix survival >= C
+            assert all(a >= 0.3 for a in metrics.prefix_survival(r.confidence_logits or []))
+    assert min(drafted) < 6 and max(drafted) > 0
+
+
+def test_eval_and_calibrate_cli(tmp_path, tiny_targets):
+    ds = tmp_path / "held.jsonl"
+    ds.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in eval_prompts("gsm8k", 2)))
+    r = run_cli("draft", "init", "--out", str(tmp_path / "d"), "--block-size", "4", "--markov-rank", "8")
+    assert r.returncode == 0, r.stderr
+    r = run_cli("calibrate", "--drafter", str(tmp_path / "d"), "--dataset", str(ds), "--max-new-tokens", "16",
+                "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    temps = json.loads((tmp_path / "d" / "config.json").read_text())["confidence_temperatures"]
+    assert len(temps) == 4 and all(t > 0 for t in temps)
+    r = run_cli("eval", "--drafter", str(tmp_path / "d"), "--dataset", str(ds), "--limit", "1", "--max-new-tokens",
+                "12", "--out", str(tmp_path / "ev"), "--confidence-threshold", "0.5", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "ev" / "results.json").read_text())["config"]["confidence_threshold"] == 0.5
+
+    (tmp_path / "bad.jsonl").write_text('{"turns": ["ok"]}\n{"turns": [1]}\n')
+    other = tmp_path / "other"
+    r = run_cli("draft", "init", "--model", str(tiny_targets[0][1]), "--out", str(other))
+    assert r.returncode == 0, r.stderr
+    for args, needle in [
+        (["--dataset", str(tmp_path / "missing.jsonl")], "missing.jsonl does not exist"),
+        (["--dataset", str(tmp_path / "bad.jsonl")], "bad.jsonl:2"),
+        (["--dataset", str(ds), "--drafter", str(other)], "different target"),
+        (["--dataset", str(ds), "--temperature", "-1"], "temperature"),
+    ]:
+        assert_clean_error(run_cli("eval", "--drafter", "prompt-lookup", "--out", str(tmp_path / "x"), *args), needle)
+    assert_clean_error(run_cli("calibrate", "--drafter", "prompt-lookup", "--dataset", str(ds)), "prompt-lookup")
