@@ -59,7 +59,12 @@ class RunAccumulator:
 
 
 def drafter_name(spec: str) -> str:
-    return Path(spec).name if Path(spec).exists() else spec
+    """Short display name: the checkpoint directory's name (its run's name for `.../final`)."""
+    path = Path(spec)
+    if not path.exists():
+        return spec
+    path = path.resolve()
+    return path.parent.name if path.name in ("final", "checkpoint", "drafter") else path.name
 
 
 def evaluate(
