@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from dspark.decode.sampling import SamplingParams
+from dspark.decode.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
 
 
 @dataclasses.dataclass
@@ -43,3 +43,18 @@ class Drafter(abc.ABC):
         self, anchor: int, max_tokens: int, params: SamplingParams, generator: torch.Generator
     ) -> DraftBlock:
         """Draft up to `max_tokens` tokens following `anchor` (the last sampled, uncommitted token)."""
+
+
+def token_picker(params: SamplingParams, generator: torch.Generator):
+    """`pick(logits [k, V]) -> k tokens`: argmax when greedy, else sampled from the processed
+    distribution, whose rows are appended to the returned list (the exact p_d for verification)."""
+    probs: list[torch.Tensor] = []
+
+    def pick(logits: torch.Tensor) -> list[int]:
+        if params.greedy:
+            return argmax_rows(logits)
+        p = probs_from_logits(logits, params)
+        probs.append(p)
+        return sample(p, torch.rand(p.shape[0], generator=generator)).tolist()
+
+    return pick, probs

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.decode.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
-from dspark.draft.base import DraftBlock, Drafter
+from dspark.decode.sampling import SamplingParams
+from dspark.draft.base import DraftBlock, Drafter, token_picker
 from dspark.draft.config import DraftConfig
 from dspark.draft.heads import ConfidenceHead, SequentialHead, prefix_survival
 from dspark.target.config import TargetConfig
@@ -245,22 +245,21 @@ class DSparkDrafter(Drafter):
         self.tap_layers = tuple(model.cfg.target_layer_ids)
         self.block_size = model.cfg.block_size
         self.num_draft_tokens = min(num_draft_tokens or self.block_size, self.block_size)
-        self._kv: list[list[torch.Tensor]] = []  # per layer [k, v] buffers [1, nkv, capacity, hd]
-        self.length = 0  # committed context positions held in the cache
         self._w2t: torch.Tensor | None = None
         self.temperatures: list[float] | None = None  # STS calibration (DESIGN.md §6)
         self.confidence_threshold: float | None = None  # static-threshold verification
+        self.begin([])
 
     def begin(self, prompt_ids: list[int]) -> None:
         m = self.model
         attn = m.layers[0].self_attn
-        empty = lambda: torch.empty(1, attn.nkv, 0, attn.hd, dtype=m.dtype, device=m.inv_freq.device)
-        self._kv = [[empty(), empty()] for _ in m.layers]
-        self.length = 0
+        shape = (1, attn.nkv, 0, attn.hd)  # per layer [k, v] buffers [1, nkv, capacity, hd]
+        self._kv = [[m.inv_freq.new_empty(shape, dtype=m.dtype) for _ in "kv"] for _ in m.layers]
+        self.length = 0  # committed context positions held in the cache
 
     @torch.inference_mode()
     def observe(self, tokens: list[int], taps: torch.Tensor | None) -> None:
-        n, end = taps.shape[0], self.length + taps.shape[0]
+        end = self.length + taps.shape[0]
         pos = torch.arange(self.length, end, device=taps.device)[None]
         new = self.model.context_kv(self.model.context(taps[None]), pos)
         for buf, kv in zip(self._kv, new):
@@ -317,15 +316,7 @@ class DSparkDrafter(Drafter):
         self, anchor: int, max_tokens: int, params: SamplingParams, generator: torch.Generator
     ) -> DraftBlock:
         h, base = self.block_outputs(anchor, min(self.num_draft_tokens, max_tokens))
-        probs: list[torch.Tensor] = []
-
-        def pick(logits: torch.Tensor) -> list[int]:
-            if params.greedy:
-                return argmax_rows(logits)
-            p = probs_from_logits(logits, params)
-            probs.append(p)
-            return sample(p, torch.rand(p.shape[0], generator=generator)).tolist()
-
+        pick, probs = token_picker(params, generator)
         tokens, _, conf = self.run_heads(h, base, anchor, pick)
         p_d = torch.cat(probs) if probs else None
         if conf is not None and self.confidence_threshold is not None:

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.decode.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
-from dspark.draft.base import DraftBlock, Drafter
+from dspark.decode.sampling import SamplingParams
+from dspark.draft.base import DraftBlock, Drafter, token_picker
 from dspark.draft.config import DraftConfig
 from dspark.draft.dspark import DraftAttention, DraftMLP, DraftModelBase, RMSNorm
 
@@ -167,14 +167,6 @@ class Eagle3Drafter(Drafter):
         return tokens, torch.cat(rows)
 
     def propose(self, anchor: int, max_tokens: int, params: SamplingParams, generator: torch.Generator) -> DraftBlock:
-        probs: list[torch.Tensor] = []
-
-        def pick(logits: torch.Tensor) -> list[int]:
-            if params.greedy:
-                return argmax_rows(logits)
-            p = probs_from_logits(logits, params)
-            probs.append(p)
-            return sample(p, torch.rand(1, generator=generator)).tolist()
-
+        pick, probs = token_picker(params, generator)
         tokens, _ = self.draft_logits(anchor, min(self.num_draft_tokens, max_tokens), pick)
         return DraftBlock(tokens, torch.cat(probs) if probs else None, None)

@@ -106,6 +106,7 @@ class Trainer:
             self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
         )
         self.step = 0
+        self._perm_epoch: int | None = None  # data order of the current epoch, cached
         ckpt = self.out / "checkpoint"
         if resume:
             if not ckpt.is_dir():
@@ -163,7 +164,7 @@ class Trainer:
         return out
 
     def _perm(self, epoch: int) -> torch.Tensor:
-        if getattr(self, "_perm_epoch", None) != epoch:
+        if self._perm_epoch != epoch:
             self._perm_cache = torch.randperm(len(self.train_set), generator=_seeded(self.cfg.seed, "epoch", epoch))
             self._perm_epoch = epoch
         return self._perm_cache
