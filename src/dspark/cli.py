@@ -193,6 +193,38 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto (default auto)")
     ca.add_argument("--dry-run", action="store_true", help="report, but do not write the temperatures")
     ca.set_defaults(func=cmd_calibrate)
+
+    pr = sub.add_parser(
+        "profile",
+        help="measure the target's steps/s for every verify size B (the scheduler's cost curve)",
+        description="Measure SPS(B), target forwards per second for B = 1..--max-tokens verify tokens, cache it "
+        "under the dspark cache directory (keyed by model, dtype, threads and machine), print it and plot it.",
+    )
+    pr.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
+    pr.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto (default auto)")
+    pr.add_argument("--max-tokens", type=_positive_int, default=64, help="largest B (default 64)")
+    pr.add_argument("--context", type=_positive_int, default=256, help="tokens already in the cache (default 256)")
+    pr.add_argument("--reps", type=_positive_int, default=5, help="timed sweeps, median taken (default 5)")
+    pr.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all cores)")
+    pr.add_argument("--force", action="store_true", help="measure again even if a cached table exists")
+    pr.add_argument("--plot", default="sps.png", help="PNG to write (default sps.png)")
+    pr.set_defaults(func=cmd_profile)
+
+    si = sub.add_parser(
+        "simulate",
+        help="predict scheduler throughput from an SPS curve, without a model",
+        description="Run scheduler policies on synthetic confidences and acceptance draws with any SPS curve "
+        "(e.g. another machine's `dspark profile` output) and report aggregate and per-user tokens/s.",
+    )
+    si.add_argument("--sps", required=True, help="'1:40,2:39,...' (every B from 1) or a JSON file from `dspark profile`")
+    si.add_argument("--policy", action="append", default=None,
+                    help="ar | fixed:K | threshold:C | dspark | dspark-async (repeatable; default: all)")
+    si.add_argument("--concurrency", default="1,2,4,8", help="comma-separated request counts (default 1,2,4,8)")
+    si.add_argument("--gamma", type=_positive_int, default=8, help="drafts per request and step (default 8)")
+    si.add_argument("--accept-mean", type=float, default=0.8, help="mean acceptance at position 0 (default 0.8)")
+    si.add_argument("--steps", type=_positive_int, default=2000, help="simulated steps per point (default 2000)")
+    si.add_argument("--seed", type=int, default=0)
+    si.set_defaults(func=cmd_simulate)
     return parser
 
 
@@ -408,6 +440,47 @@ def cmd_calibrate(args) -> int:
     if not args.dry_run:
         write_temperatures(args.drafter, temps)
         print(f"wrote confidence_temperatures to {Path(args.drafter) / 'config.json'}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    import torch
+
+    from dspark.serve.sps import load_or_measure, plot_sps
+    from dspark.target.loading import load_target, parse_dtype
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.model, dtype=parse_dtype(args.dtype), require_tokenizer=False)
+    table, path, fresh = load_or_measure(target, args.max_tokens, args.context, args.reps, args.force)
+    print(f"SPS(B) for {target.path.name}, {str(target.model.dtype).removeprefix('torch.')}, "
+          f"{torch.get_num_threads()} threads ({'measured now' if fresh else 'cached'}: {path})")
+    print("    B   steps/s   B x steps/s")
+    for b, v in enumerate(table.values, 1):
+        print(f"{b:5d} {v:9.2f} {b * v:13.1f}")
+    plot_sps(table, Path(args.plot), f"SPS(B): {target.path.name}")
+    print(f"plot: {args.plot}")
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    from dspark.serve.scheduler import parse_policy
+    from dspark.serve.simulator import simulate
+    from dspark.serve.sps import parse_sps
+
+    sps = parse_sps(args.sps)
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        raise DsparkError(f"--concurrency expects comma-separated integers, got {args.concurrency!r}") from None
+    if not 0 < args.accept_mean < 1:
+        raise DsparkError("--accept-mean must be in (0, 1)")
+    specs = args.policy or ["ar", "fixed:1", f"fixed:{args.gamma}", "threshold:0.5", "dspark", "dspark-async"]
+    print("policy          concurrency  tok/s    per-user  avg verify len   tau")
+    for spec in specs:
+        for c in levels:
+            r = simulate(parse_policy(spec, sps), sps, c, args.gamma, args.steps, args.accept_mean, seed=args.seed)
+            print(f"{r.policy:15s} {c:11d} {r.throughput:8.1f} {r.per_user:9.1f} {r.avg_verify_len:15.2f} {r.tau:6.2f}")
     return 0
 
 

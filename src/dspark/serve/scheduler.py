@@ -1,0 +1,193 @@
+"""Verification-length policies, including the hardware-aware prefix scheduler (DESIGN.md §7).
+
+Every policy maps, for one engine step, each request's prefix survivals a_{r,1} ≥ a_{r,2} ≥ ...
+(a_{r,j}: probability that drafts 1..j all survive) to a verification length ℓ_r. Survivals are
+read lazily, in order: a_{r,j+1} depends on the sampled draft d_{r,j}, so a lossless policy may
+read it only after it has decided to verify d_{r,j} (DESIGN.md §7, Appendix A).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Sequence
+
+from dspark.errors import DsparkError
+
+
+@dataclasses.dataclass(frozen=True)
+class SPSTable:
+    """Target steps per second for a verification forward of B tokens, B = 1..max_tokens."""
+
+    values: tuple[float, ...]  # values[B - 1] = SPS(B)
+
+    def __post_init__(self):
+        if not self.values or any(not v > 0 for v in self.values):
+            raise DsparkError("an SPS table needs positive steps/s for B = 1..max")
+
+    @property
+    def max_tokens(self) -> int:
+        return len(self.values)
+
+    def __call__(self, tokens: int) -> float:
+        """SPS(B); 0 beyond the profiled maximum (such a step is never chosen)."""
+        return self.values[tokens - 1] if 1 <= tokens <= len(self.values) else 0.0
+
+
+def _admit(
+    survivals: Sequence[Sequence[float]],
+    sps: SPSTable,
+    stop_at_drop: bool,
+    capacity: int | None = None,
+    limits: Sequence[int] | None = None,
+):
+    """Admit drafts in descending survival order, reading each request's next survival lazily.
+
+    stop_at_drop: stop at the first admission that does not raise Θ = τ·SPS(B) (Algorithm 1);
+    otherwise scan everything and keep the best prefix of the order (look-back search).
+    capacity: admit exactly the top-`capacity` drafts instead (no Θ test).
+    limits: per request, how many drafts exist (default: all survivals given).
+    Returns (lengths, number admitted in the best prefix)."""
+    R = len(survivals)
+    avail = [len(s) if limits is None else min(len(s), n) for s, n in zip(survivals, limits or [0] * R)]
+    lengths = [0] * R
+    heap = [(-s[0], r, 1) for r, s in enumerate(survivals) if avail[r] > 0]
+    heapq.heapify(heap)
+    tokens, tau = R, float(R)
+    best = tau * sps(tokens)
+    history: list[int] = []  # admitted requests, in order
+    best_len = 0
+    while heap:
+        if capacity is not None and len(history) >= capacity:
+            break
+        neg_a, r, j = heapq.heappop(heap)
+        tokens += 1
+        tau += -neg_a
+        theta = tau * sps(tokens)
+        if capacity is None:
+            if theta <= best:
+                if stop_at_drop:
+                    break
+            else:
+                best, best_len = theta, len(history) + 1
+        history.append(r)
+        lengths[r] = j
+        if j < avail[r]:  # read a_{r,j+1} only now that d_{r,j} is admitted
+            heapq.heappush(heap, (-survivals[r][j], r, j + 1))
+    if capacity is None:
+        lengths = [0] * R
+        for r in history[:best_len]:
+            lengths[r] += 1
+    return lengths, (len(history) if capacity is not None else best_len)
+
+
+def dspark_lengths(survivals: Sequence[Sequence[float]], sps: SPSTable, limits: Sequence[int] | None = None) -> list[int]:
+    """Algorithm 1 with the early-stop break (lossless)."""
+    return _admit(survivals, sps, stop_at_drop=True, limits=limits)[0]
+
+
+def lookback_lengths(survivals: Sequence[Sequence[float]], sps: SPSTable) -> list[int]:
+    """Unconstrained search: the best prefix of the whole descending order. Biased if applied to the
+    current step's survivals (Appendix A); used on stale survivals by `dspark-async`."""
+    return _admit(survivals, sps, stop_at_drop=False)[0]
+
+
+def top_k_lengths(survivals: Sequence[Sequence[float]], capacity: int, limits: Sequence[int] | None = None) -> list[int]:
+    """Admit the `capacity` highest current survivals (prefix-closed, read lazily)."""
+    return _admit(survivals, SPSTable((1.0,)), stop_at_drop=False, capacity=capacity, limits=limits)[0]
+
+
+class Policy:
+    """Chooses verification lengths for a batch of requests, one engine step at a time."""
+
+    name = "policy"
+    needs_survivals = True
+
+    def lengths(self, survivals: Sequence[Sequence[float]], drafted: Sequence[int]) -> list[int]:
+        raise NotImplementedError
+
+
+class ARPolicy(Policy):
+    name = "ar"
+    needs_survivals = False
+
+    def lengths(self, survivals, drafted):
+        return [0] * len(drafted)
+
+
+class FixedPolicy(Policy):
+    needs_survivals = False
+
+    def __init__(self, k: int):
+        if k < 1:
+            raise DsparkError(f"fixed:K needs K >= 1, got {k}")
+        self.k, self.name = k, f"fixed:{k}"
+
+    def lengths(self, survivals, drafted):
+        return [min(self.k, d) for d in drafted]
+
+
+class ThresholdPolicy(Policy):
+    def __init__(self, c: float):
+        if not 0.0 <= c <= 1.0:
+            raise DsparkError(f"threshold:C needs C in [0, 1], got {c}")
+        self.c, self.name = c, f"threshold:{c:g}"
+
+    def lengths(self, survivals, drafted):
+        out = []
+        for s, d in zip(survivals, drafted):
+            n = 0
+            while n < min(d, len(s)) and s[n] >= self.c:  # stops before reading past a rejection
+                n += 1
+            out.append(n)
+        return out
+
+
+class DSparkPolicy(Policy):
+    name = "dspark"
+
+    def __init__(self, sps: SPSTable):
+        self.sps = sps
+
+    def lengths(self, survivals, drafted):
+        return dspark_lengths(survivals, self.sps, drafted)
+
+
+class DSparkAsyncPolicy(Policy):
+    """Capacity K from the survivals of two steps earlier (unconstrained search), then top-K
+    admission of the current survivals. Lossless: K never depends on the current tokens."""
+
+    name = "dspark-async"
+
+    def __init__(self, sps: SPSTable):
+        self.sps = sps
+        self._history: list[list[list[float]]] = []  # survivals of the last two steps
+
+    def lengths(self, survivals, drafted):
+        if len(self._history) < 2:  # warm-up: the synchronous rule
+            out = dspark_lengths(survivals, self.sps, drafted)
+        else:
+            capacity = sum(lookback_lengths(self._history[0], self.sps))
+            out = top_k_lengths(survivals, capacity, drafted)
+        # kept for the step after next, which reads them only once these drafts are verified
+        self._history = (self._history + [[list(s[:d]) for s, d in zip(survivals, drafted)]])[-2:]
+        return out
+
+
+def parse_policy(spec: str, sps: SPSTable | None = None) -> Policy:
+    """ar | fixed:K | threshold:C | dspark | dspark-async."""
+    name, _, arg = spec.partition(":")
+    try:
+        if name == "ar" and not arg:
+            return ARPolicy()
+        if name == "fixed":
+            return FixedPolicy(int(arg))
+        if name == "threshold":
+            return ThresholdPolicy(float(arg))
+    except ValueError:
+        raise DsparkError(f"bad policy {spec!r}: fixed:K takes an integer, threshold:C a number") from None
+    if name in ("dspark", "dspark-async") and not arg:
+        if sps is None:
+            raise DsparkError(f"policy {spec} needs an SPS table (run `dspark profile`)")
+        return DSparkPolicy(sps) if name == "dspark" else DSparkAsyncPolicy(sps)
+    raise DsparkError(f"unknown policy {spec!r}; choose ar, fixed:K, threshold:C, dspark or dspark-async")

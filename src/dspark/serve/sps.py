@@ -1,0 +1,135 @@
+"""SPS(B) profiling: target steps per second for a verification forward of B tokens.
+
+Measured once per (model, dtype, threads, machine) and cached as JSON under the dspark cache
+directory, so an engine start reloads it instead of profiling again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dspark.errors import DsparkError
+from dspark.serve.scheduler import SPSTable
+from dspark.target.loading import cache_root
+
+
+def _machine() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def profile_key(target, max_tokens: int, context: int) -> dict:
+    device = target.model.device
+    return {
+        "model": str(target.path),
+        "dtype": str(target.model.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else _machine(),
+        "max_tokens": max_tokens,
+        "context": context,
+    }
+
+
+def cache_file(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "sps" / f"{digest}.json"
+
+
+@torch.inference_mode()
+def measure_sps(target, max_tokens: int = 64, context: int = 256, reps: int = 5, progress: bool = True) -> SPSTable:
+    """Median steps/s of a B-token forward (+ LM head over the B positions) after `context` tokens,
+    for B = 1..max_tokens; sizes are visited round-robin so machine drift hits all alike."""
+    if max_tokens < 1 or context < 1:
+        raise DsparkError("SPS profiling needs max_tokens >= 1 and context >= 1")
+    model = target.model
+    if context + max_tokens > model.max_positions:
+        raise DsparkError(f"context {context} + {max_tokens} tokens exceeds the model's {model.max_positions} positions")
+    gen = torch.Generator().manual_seed(0)
+    cache = model.new_cache(1, context + max_tokens)
+    model(torch.randint(0, model.cfg.vocab_size, (1, context), generator=gen), cache)
+    times: dict[int, list[float]] = {b: [] for b in range(1, max_tokens + 1)}
+    for rep in tqdm(range(reps + 1), desc="profiling SPS(B)", disable=not progress):
+        for b in times:
+            x = torch.randint(0, model.cfg.vocab_size, (1, b), generator=gen)
+            t0 = time.perf_counter()
+            model.logits(model(x, cache).hidden[0])
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            cache.truncate(context)
+            if rep:  # the first sweep warms up
+                times[b].append(dt)
+    return SPSTable(tuple(1.0 / statistics.median(times[b]) for b in sorted(times)))
+
+
+def load_or_measure(target, max_tokens: int = 64, context: int = 256, reps: int = 5, force: bool = False,
+                    progress: bool = True) -> tuple[SPSTable, Path, bool]:
+    """The cached table for this setup, or a fresh measurement (then cached). Returns
+    (table, cache path, whether it was measured now)."""
+    key = profile_key(target, max_tokens, context)
+    path = cache_file(key)
+    if path.exists() and not force:
+        try:
+            data = json.loads(path.read_text())
+            if data.get("key") == key:
+                return SPSTable(tuple(data["sps"])), path, False
+        except (ValueError, KeyError, DsparkError):
+            pass  # unreadable cache: measure again
+    table = measure_sps(target, max_tokens, context, reps, progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "sps": list(table.values)}, indent=1) + "\n")
+    tmp.replace(path)
+    return table, path, True
+
+
+def parse_sps(text: str) -> SPSTable:
+    """`B:sps,B:sps,...` (every B from 1 to the largest given) or a JSON file written by `dspark profile`."""
+    path = Path(text).expanduser()
+    if ":" not in text and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            return SPSTable(tuple(float(v) for v in (data["sps"] if isinstance(data, dict) else data)))
+        except (ValueError, KeyError, TypeError) as e:
+            raise DsparkError(f"{path}: not an SPS table ({e})") from None
+    if ":" not in text:
+        raise DsparkError(f"--sps: {text} is neither an existing JSON file nor B:steps_per_s pairs")
+    try:
+        pairs = dict((int(b), float(v)) for b, v in (item.split(":") for item in text.split(",")))
+    except ValueError:
+        raise DsparkError(f"--sps expects B:steps_per_s pairs like '1:20,2:19.5,3:19' or a JSON file, got {text!r}") from None
+    missing = [b for b in range(1, max(pairs) + 1) if b not in pairs]
+    if missing:
+        raise DsparkError(f"--sps misses batch sizes {missing[:10]}: give every B from 1 to {max(pairs)}")
+    return SPSTable(tuple(pairs[b] for b in range(1, max(pairs) + 1)))
+
+
+def plot_sps(table: SPSTable, png: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    b = list(range(1, table.max_tokens + 1))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].plot(b, table.values, "o-", ms=3)
+    axes[0].set(title="target steps per second", xlabel="verify tokens B", ylabel="SPS(B)")
+    axes[1].plot(b, [x * v for x, v in zip(b, table.values)], "o-", ms=3)
+    axes[1].set(title="tokens per second if all were accepted", xlabel="verify tokens B", ylabel="B·SPS(B)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)

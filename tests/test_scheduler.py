@@ -1,0 +1,126 @@
+"""The prefix scheduler (DESIGN.md §7): exactness of Algorithm 1, its lossless read order, policies."""
+
+import itertools
+import random
+
+import pytest
+
+from dspark.errors import DsparkError
+from dspark.serve.scheduler import (
+    DSparkAsyncPolicy, SPSTable, dspark_lengths, lookback_lengths, parse_policy, top_k_lengths)
+
+
+class Recorded(list):
+    """A request's survivals that remember the highest index read."""
+
+    def __init__(self, values):
+        super().__init__(values)
+        self.max_read = -1
+
+    def __getitem__(self, i):
+        self.max_read = max(self.max_read, i)
+        return super().__getitem__(i)
+
+
+def theta(lengths, survivals, sps):
+    return (len(lengths) + sum(sum(s[:l]) for s, l in zip(survivals, lengths))) * sps(len(lengths) + sum(lengths))
+
+
+def first_token_distribution(lengths_policy):
+    """Appendix A, exactly: one request, γ = 2, p_t = (0.7, 0.3), p_d = (0.5, 0.5), a_1 = 0.8,
+    and a_2 depends on the sampled d_1 (0.8 after A, 0.0 after B); SPS(1, 2, 3) = 1.0, 0.5, 0.45."""
+    p_t, p_d = {"A": 0.7, "B": 0.3}, {"A": 0.5, "B": 0.5}
+    a2 = {"A": 0.8, "B": 0.0}
+    sps = SPSTable((1.0, 0.5, 0.45))
+    out = {"A": 0.0, "B": 0.0}
+    for d1 in "AB":
+        ell = lengths_policy([[0.8, a2[d1]]], sps)[0]
+        if ell == 0:  # nothing verified: the token comes straight from p_t
+            for t in "AB":
+                out[t] += p_d[d1] * p_t[t]
+            continue
+        accept = min(1.0, p_t[d1] / p_d[d1])
+        out[d1] += p_d[d1] * accept
+        residual = {t: max(p_t[t] - p_d[t], 0.0) for t in "AB"}
+        z = sum(residual.values())
+        for t in "AB":
+            out[t] += p_d[d1] * (1 - accept) * residual[t] / z
+    return out["A"], out["B"]
+
+
+def test_appendix_a_counterexample():
+    assert first_token_distribution(lookback_lengths) == pytest.approx((0.85, 0.15))
+    assert first_token_distribution(dspark_lengths) == pytest.approx((0.7, 0.3))
+
+
+def test_algorithm_1_equals_brute_force_when_theta_is_unimodal_and_reads_lazily():
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(400):
+        R = rng.randint(1, 3)
+        gamma = rng.randint(1, 4)
+        survivals = []
+        for _ in range(R):
+            a, run = [], 1.0
+            for _ in range(gamma):
+                run *= rng.uniform(0.3, 1.0)
+                a.append(run)
+            survivals.append(a)
+        max_b = R * (gamma + 1)
+        base = rng.uniform(5, 50)
+        sps = SPSTable(tuple(base / (1 + rng.uniform(0.02, 0.4) * (b - 1)) ** rng.uniform(0.5, 1.5)
+                             for b in range(1, max_b + 1)))
+        # Θ along the descending order of survivals
+        order = sorted((a for s in survivals for a in s), reverse=True)
+        thetas = [(R + sum(order[:n])) * sps(R + n) for n in range(len(order) + 1)]
+        peak = thetas.index(max(thetas))
+        unimodal = all(thetas[i] < thetas[i + 1] for i in range(peak)) and all(
+            thetas[i] > thetas[i + 1] for i in range(peak, len(thetas) - 1))
+        recorded = [Recorded(s) for s in survivals]
+        got = dspark_lengths(recorded, sps)
+        for s, ell in zip(recorded, got):  # never read a_{r, ℓ_r + 2} (index ℓ_r + 1) or beyond
+            assert s.max_read <= ell
+        if not unimodal:
+            continue
+        best = max(theta(list(ls), survivals, sps) for ls in itertools.product(range(gamma + 1), repeat=R))
+        assert theta(got, survivals, sps) == pytest.approx(best)
+        checked += 1
+    assert checked > 100
+
+
+def test_lookback_reads_past_its_stopping_point():
+    recorded = [Recorded([0.8, 0.8])]
+    assert lookback_lengths(recorded, SPSTable((1.0, 0.5, 0.45))) == [2]
+    recorded = [Recorded([0.8, 0.0])]
+    assert lookback_lengths(recorded, SPSTable((1.0, 0.5, 0.45))) == [0]
+    assert recorded[0].max_read == 1  # it looked at a_2 to decide about d_1: the source of the bias
+    recorded = [Recorded([0.8, 0.8])]
+    assert dspark_lengths(recorded, SPSTable((1.0, 0.5, 0.45))) == [0] and recorded[0].max_read == 0
+
+
+def test_simple_policies_and_parsing():
+    sps = SPSTable((10.0, 9.0, 8.0, 7.0, 6.0, 5.0))
+    survivals, drafted = [[0.9, 0.5, 0.2], [0.4, 0.3], []], [3, 2, 0]
+    assert parse_policy("ar").lengths(survivals, drafted) == [0, 0, 0]
+    assert parse_policy("fixed:1").lengths(survivals, drafted) == [1, 1, 0]
+    assert parse_policy("fixed:5").lengths(survivals, drafted) == [3, 2, 0]
+    assert parse_policy("threshold:0.45").lengths(survivals, drafted) == [2, 0, 0]
+    assert parse_policy("dspark", sps).lengths(survivals, [1, 2, 0]) == dspark_lengths(survivals, sps, [1, 2, 0])
+    assert top_k_lengths(survivals, 3) == [2, 1, 0]
+    for bad, msg in [("fixed:0", "K >= 1"), ("fixed:x", "integer"), ("threshold:2", "C in"), ("mtp", "unknown"),
+                     ("dspark", "SPS table")]:
+        with pytest.raises(DsparkError, match=msg):
+            parse_policy(bad)
+    with pytest.raises(DsparkError, match="positive"):
+        SPSTable((1.0, 0.0))
+
+
+def test_async_capacity_comes_from_two_steps_earlier():
+    sps = SPSTable(tuple(100.0 / (1 + 0.15 * b) for b in range(12)))
+    policy = DSparkAsyncPolicy(sps)
+    steps = [[[0.95, 0.9, 0.85], [0.9, 0.8, 0.7]], [[0.1, 0.05, 0.01], [0.2, 0.1, 0.05]],
+             [[0.99, 0.98, 0.97], [0.99, 0.98, 0.97]]]
+    out = [policy.lengths(s, [3, 3]) for s in steps]
+    assert out[0] == dspark_lengths(steps[0], sps) and out[1] == dspark_lengths(steps[1], sps)  # warm-up
+    capacity = sum(lookback_lengths(steps[0], sps))  # from step 0, not from the current survivals
+    assert sum(out[2]) == capacity and out[2] == top_k_lengths(steps[2], capacity)

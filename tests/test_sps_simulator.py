@@ -1,0 +1,62 @@
+"""SPS profiling and the scheduler simulator."""
+
+import json
+
+import pytest
+import torch
+
+from dspark.errors import DsparkError
+from dspark.serve.scheduler import parse_policy
+from dspark.serve.simulator import simulate
+from dspark.serve.sps import load_or_measure, parse_sps
+from dspark.target.loading import load_target
+from test_cli import assert_clean_error, run_cli
+
+SMOOTH = ",".join(f"{b}:{50 / (1 + 0.04 * (b - 1)):.3f}" for b in range(1, 81))
+# a jagged curve: kernel-size cliffs every 8 tokens, as CPU GEMM blocking produces
+JAGGED = ",".join(f"{b}:{50 / (1 + 0.03 * (b - 1)) * (0.7 if b % 8 in (1, 2) and b > 8 else 1.0):.3f}"
+                  for b in range(1, 81))
+
+
+def test_parse_sps(tmp_path):
+    assert parse_sps("1:10,2:9.5,3:9").values == (10.0, 9.5, 9.0)
+    (tmp_path / "t.json").write_text(json.dumps({"sps": [5, 4, 3]}))
+    assert parse_sps(str(tmp_path / "t.json")).values == (5.0, 4.0, 3.0)
+    for bad, msg in [("1:10,3:9", r"misses batch sizes \[2\]"), ("1=10", "B:steps_per_s"), ("1:0", "positive"),
+                     (str(tmp_path / "none.json"), "neither an existing JSON file")]:
+        with pytest.raises(DsparkError, match=msg):
+            parse_sps(bad)
+
+
+@pytest.mark.parametrize("curve, near_best", [(SMOOTH, ["dspark", "dspark-async"]), (JAGGED, ["dspark-async"])])
+def test_scheduler_policies_are_near_the_best_policy_and_never_below_ar(curve, near_best):
+    """On a smooth SPS curve both scheduler variants track the best fixed policy. On a jagged one the
+    synchronous rule's early-stop break (required for losslessness) can halt at a cliff; the async
+    variant's unconstrained capacity search on stale confidences steps over it."""
+    sps = parse_sps(curve)
+    others = ["ar", "fixed:1", "fixed:2", "fixed:4", "fixed:8", "threshold:0.5"]
+    for c in (1, 2, 4, 8):
+        results = {spec: simulate(parse_policy(spec, sps), sps, c, gamma=8, steps=600, seed=c).throughput
+                   for spec in others + ["dspark", "dspark-async"]}
+        best_other = max(results[k] for k in others)
+        for spec in near_best:
+            assert results[spec] >= 0.95 * best_other, (c, spec, results)
+        assert results["dspark"] >= results["ar"] and results["dspark-async"] >= results["ar"]
+
+
+def test_profile_measures_once_then_reloads(tiny_targets, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    target = load_target(tiny_targets[0][1], dtype=torch.float32, require_tokenizer=False)
+    table, path, fresh = load_or_measure(target, max_tokens=6, context=16, reps=2, progress=False)
+    assert fresh and table.max_tokens == 6 and all(v > 0 for v in table.values)
+    again, path2, fresh2 = load_or_measure(target, max_tokens=6, context=16, reps=2, progress=False)
+    assert not fresh2 and path2 == path and again == table
+    r = run_cli("profile", "--model", str(tiny_targets[0][1]), "--max-tokens", "6", "--context", "16", "--reps", "2",
+                "--plot", str(tmp_path / "sps.png"), env_extra={"DSPARK_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert "cached" in r.stdout and (tmp_path / "sps.png").stat().st_size > 0
+    r = run_cli("simulate", "--sps", str(path), "--policy", "dspark", "--concurrency", "1", "--steps", "50")
+    assert r.returncode == 0 and "dspark" in r.stdout, r.stderr
+    assert_clean_error(run_cli("simulate", "--sps", "1:10", "--policy", "fixed:8", "--concurrency", "4",
+                               "--steps", "5"), "beyond the SPS table")
+    assert_clean_error(run_cli("simulate", "--sps", "1:10", "--policy", "magic"), "unknown policy")
