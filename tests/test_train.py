@@ -153,6 +153,16 @@ def test_bad_training_input_gives_clear_errors(tiny_run, tmp_path, tiny_targets)
             Trainer(_cfg(tiny_run, tmp_path / "run", **overrides), progress=False)
     with pytest.raises(DsparkError, match="no checkpoint"):
         Trainer(_cfg(tiny_run, tmp_path / "run"), resume=True, progress=False)
+    # a checkpoint, then the data file changes: resuming would draw other samples
+    lines = data.read_text().splitlines()
+    (tmp_path / "grown.jsonl").write_text("\n".join(lines[:30]) + "\n")
+    cfg = _cfg(tiny_run, tmp_path / "grow", data=str(tmp_path / "grown.jsonl"), steps=2, checkpoint_every=1)
+    Trainer(cfg, progress=False).run()
+    (tmp_path / "grown.jsonl").write_text("\n".join(lines[:40]) + "\n")
+    with pytest.raises(DsparkError, match="changed since the checkpoint"):
+        Trainer(cfg, resume=True, progress=False)
+    with pytest.raises(DsparkError, match=r"configuration changed \(lr"):
+        Trainer(dataclasses.replace(cfg, lr=1e-4), resume=True, progress=False)
 
 
 def test_config_files_and_overrides(tmp_path):

@@ -179,6 +179,13 @@ class Trainer:
                 total += sum(w[: min(self.slots, n - 1 - p)])
         return total
 
+    def data_fingerprint(self) -> str:
+        """Identifies the training samples (ids, lengths, split): resuming on other data is refused."""
+        h = hashlib.sha256()
+        for s in self.train_set:
+            h.update(f"{s.id}:{len(s.prompt_ids)}:{len(s.response_ids)};".encode())
+        return f"{len(self.train_set)}:{h.hexdigest()[:16]}"
+
     # ---- forward -------------------------------------------------------------------------
     def batch_outputs(self, items, model):
         """Target + drafter forward for a micro-batch; returns everything the losses need."""
@@ -301,7 +308,8 @@ class Trainer:
                     for k, v in self.optimizer.state.get(p, {}).items():
                         tensors[f"{i}.{k}"] = torch.as_tensor(v).detach().clone()
                 save_file(tensors, tmp / "optimizer.safetensors")
-                state = {"step": self.step, "config": self.cfg.to_dict(), "world_size": self.world}
+                state = {"step": self.step, "config": self.cfg.to_dict(), "world_size": self.world,
+                         "data_fingerprint": self.data_fingerprint()}
                 (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
         if self.world > 1:
             dist.barrier()
@@ -316,6 +324,9 @@ class Trainer:
                 if k not in RESUMABLE_CHANGES and saved.get(k) != v]
         if diff:
             raise DsparkError(f"cannot resume {ckpt}: the configuration changed ({'; '.join(diff)})")
+        if state.get("data_fingerprint") not in (None, self.data_fingerprint()):
+            raise DsparkError(f"cannot resume {ckpt}: {self.cfg.data} changed since the checkpoint (different "
+                              "samples would be drawn); restore the file or start a new run")
         model, _ = load_model(ckpt / "drafter", self.target)
         self.model.load_state_dict(model.state_dict())
         tensors = load_file(ckpt / "optimizer.safetensors")
