@@ -127,38 +127,57 @@ def make_random_eagle3(target, block_size: int = 4, seed: int = 0, std: float = 
     return Eagle3Drafter(model.to(target.model.dtype).requires_grad_(False), target)
 
 
-def first_two_tokens_tv(tmp_path: Path, make_drafter, n: int = 10_000) -> tuple[float, float]:
-    """Seeded speculative runs at T=1 on a tiny 4-token target: total variation between the
-    empirical joint distribution of the first two generated tokens and the target's exact one,
-    and the acceptance rate of the one draft verified for token 2.
-
-    A 4-token vocabulary keeps the 16-outcome joint estimable: with its spread (sum of
-    sqrt(p(1-p)) = 1.28) the expected sampling noise at 10k runs is TV ~0.005."""
+def tiny_sharp_target(tmp_path: Path):
+    """A tiny 4-token, 2-layer llama target without EOS and with sharpened logits: its 16-outcome
+    joint distribution of two tokens is estimable from ~10k seeded runs (sum of sqrt(p(1-p)) = 1.28,
+    so the expected sampling noise is TV ~0.005)."""
     import dataclasses
 
-    from dspark.decode.generate import Decoder
-    from dspark.decode.sampling import probs_from_logits
     from dspark.target.loading import load_target
 
-    vocab = 4
-    target = load_target(make_tiny_hf_model("llama", tmp_path / "v4", vocab=vocab, layers=2, hidden=32),
+    target = load_target(make_tiny_hf_model("llama", tmp_path / "v4", vocab=4, layers=2, hidden=32),
                          dtype=torch.float32, pack=False, require_tokenizer=False)
     target = dataclasses.replace(target, eos_token_ids=frozenset())
-    m = target.model
     with torch.no_grad():
-        m.lm_head.mul_(3.0)  # sharper distributions: less sampling noise per run
-    params = SamplingParams(temperature=1.0)
-    prompt = [2, 3, 2, 1]
+        target.model.lm_head.mul_(3.0)
+    return target
+
+
+TV_PROMPT = [2, 3, 2, 1]
+
+
+def exact_first_two(target, params) -> torch.Tensor:
+    """The target's exact joint distribution of the first two tokens after TV_PROMPT, flattened."""
+    from dspark.decode.sampling import probs_from_logits
+
+    m, vocab = target.model, target.cfg.vocab_size
     exact = torch.zeros(vocab, vocab, dtype=torch.float64)
-    p1 = probs_from_logits(m.logits(m(torch.tensor([prompt]), m.new_cache(1, 8)).hidden[0, -1]), params)
+    p1 = probs_from_logits(m.logits(m(torch.tensor([TV_PROMPT]), m.new_cache(1, 8)).hidden[0, -1]), params)
     for a in range(vocab):
-        p2 = probs_from_logits(m.logits(m(torch.tensor([prompt + [a]]), m.new_cache(1, 8)).hidden[0, -1]), params)
+        p2 = probs_from_logits(m.logits(m(torch.tensor([TV_PROMPT + [a]]), m.new_cache(1, 8)).hidden[0, -1]), params)
         exact[a] = p1[a].double() * p2.double()
-    spec = Decoder(target, make_drafter(target))
+    return exact.flatten()
+
+
+def total_variation(samples: list[list[int]], exact: torch.Tensor, vocab: int) -> float:
     counts = torch.zeros(vocab * vocab, dtype=torch.float64)
-    accepted = 0
+    for ids in samples:
+        counts[ids[0] * vocab + ids[1]] += 1
+    return 0.5 * (counts / len(samples) - exact).abs().sum().item()
+
+
+def first_two_tokens_tv(tmp_path: Path, make_drafter, n: int = 10_000) -> tuple[float, float]:
+    """Seeded speculative runs at T=1 through the single-request Decoder on the tiny sharp target:
+    total variation of the first two generated tokens from the exact joint, and the acceptance rate
+    of the one draft verified for token 2."""
+    from dspark.decode.generate import Decoder
+
+    target = tiny_sharp_target(tmp_path)
+    params = SamplingParams(temperature=1.0)
+    spec = Decoder(target, make_drafter(target))
+    samples, accepted = [], 0
     for seed in range(n):
-        r = spec.generate(prompt, 3, params, seed=seed)  # round 1 verifies one draft: token 2
-        counts[r.token_ids[0] * vocab + r.token_ids[1]] += 1
+        r = spec.generate(TV_PROMPT, 3, params, seed=seed)  # round 1 verifies one draft: token 2
+        samples.append(r.token_ids)
         accepted += r.rounds[0].accepted
-    return 0.5 * (counts / n - exact.flatten()).abs().sum().item(), accepted / n
+    return total_variation(samples, exact_first_two(target, params), 4), accepted / n

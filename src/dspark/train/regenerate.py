@@ -20,17 +20,7 @@ from tqdm import tqdm
 
 from dspark.decode.sampling import SamplingParams, probs_from_logits, sample
 from dspark.errors import DsparkError
-from dspark.target.model import KVCache
 from dspark.train.data import Prompt
-
-
-def _row_cache(cache: KVCache, row: int) -> KVCache:
-    """A one-row view of a batch cache (K/V storage shared; lengths copied)."""
-    view = KVCache.__new__(KVCache)
-    view.k, view.v = cache.k[:, row : row + 1], cache.v[:, row : row + 1]
-    view.lengths = cache.lengths[row : row + 1].clone()
-    view.max_len = cache.max_len
-    return view
 
 
 def _prompt_generator(seed: int, prompt_id: str) -> torch.Generator:
@@ -102,7 +92,7 @@ def regenerate(
     bar = tqdm(total=len(queue), desc="regenerating", unit="prompt", disable=not progress)
 
     def first_token(b: int, prompt: Prompt, ids: list[int]) -> None:
-        view = _row_cache(cache, b)
+        view = cache.row(b)
         out = model(torch.tensor([ids]), view)
         cache.lengths[b] = int(view.lengths[0])
         gen = _prompt_generator(seed, prompt.id)
