@@ -21,8 +21,9 @@ def _shared_model_drafters(drafter: DSparkDrafter):
     return lambda: DSparkDrafter(drafter.model, drafter.target)
 
 
+@pytest.mark.parametrize("batched", [True, False], ids=["batched-drafter", "per-request-drafters"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_batched_greedy_equals_plain_greedy_for_every_policy(tiny_targets, policy):
+def test_batched_greedy_equals_plain_greedy_for_every_policy(tiny_targets, policy, batched):
     target = load_target(tiny_targets[1][1], dtype=torch.float32, require_tokenizer=False)
     drafter = make_random_dspark(target, "vanilla", block_size=5, std=0.3)
     gen = torch.Generator().manual_seed(3)
@@ -30,7 +31,10 @@ def test_batched_greedy_equals_plain_greedy_for_every_policy(tiny_targets, polic
     budgets = [int(n) for n in torch.randint(1, 40, (10,), generator=gen)]
     ar = Decoder(target)
     want = [ar.generate(p, n).token_ids for p, n in zip(prompts, budgets)]
-    engine = Engine(target, _shared_model_drafters(drafter), parse_policy(policy, SPS), max_batch=4)
+    if batched:
+        engine = Engine(target, policy=parse_policy(policy, SPS), max_batch=4, draft_model=drafter.model)
+    else:
+        engine = Engine(target, _shared_model_drafters(drafter), parse_policy(policy, SPS), max_batch=4)
     done = engine.run([Request(p, n) for p, n in zip(prompts, budgets)])  # 10 requests through 4 slots
     for r, w in zip(done, want):
         assert r.token_ids == w, (policy, r.id)
@@ -57,7 +61,7 @@ def test_scheduled_sampling_keeps_the_target_distribution(tmp_path, policy):
     drafter = make_random_dspark(target, "vanilla", block_size=3, rank=4, std=0.5)
     params = SamplingParams(temperature=1.0)
     sps = SPSTable(tuple(100.0 / (1 + 0.12 * (b - 1)) for b in range(1, 65)))
-    engine = Engine(target, _shared_model_drafters(drafter), parse_policy(policy, sps), max_batch=16)
+    engine = Engine(target, policy=parse_policy(policy, sps), max_batch=16, draft_model=drafter.model)
     n = 10_000
     done = engine.run([Request(TV_PROMPT, 3, params, seed=s) for s in range(n)])
     first_rounds = [r.rounds[0] for r in done]
@@ -65,6 +69,37 @@ def test_scheduled_sampling_keeps_the_target_distribution(tmp_path, policy):
     assert 0.05 < verified < 0.95, verified  # the policy verified the draft sometimes, not always
     tv = total_variation([r.token_ids for r in done], exact_first_two(target, params), 4)
     assert tv < 0.01, f"total variation {tv:.4f}"
+
+
+def test_batched_draft_pass_matches_the_single_request_drafter(tiny_targets):
+    """Same contexts, same anchors: the batched pass (ragged contexts, mixed sampling settings)
+    proposes what each slot's own DSparkDrafter proposes, with the same p_d and confidences."""
+    from dspark.draft.batched import DSparkBatch
+
+    target = load_target(tiny_targets[3][1], dtype=torch.float32, require_tokenizer=False)
+    single = make_random_dspark(target, "rnn", block_size=5, std=0.3)
+    batch = DSparkBatch(single.model, target, slots=3, max_len=128)
+    gen = torch.Generator().manual_seed(0)
+    contexts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (7, 30, 19)]
+    settings = [SamplingParams(), SamplingParams(0.9, top_p=0.9), SamplingParams(0.9, top_p=0.9)]
+    blocks_single = []
+    for slot, ctx in enumerate(contexts):
+        taps = target.model(torch.tensor([ctx]), target.model.new_cache(1, 64), taps=single.tap_layers).taps[0]
+        batch.observe(slot, taps[:4])
+        batch.observe(slot, taps[4:])  # in two rounds
+        single.begin(ctx)
+        single.observe(ctx, taps)
+        blocks_single.append(single.propose(50 + slot, 5, settings[slot], torch.Generator().manual_seed(slot)))
+    blocks = batch.propose([0, 1, 2], [50, 51, 52], [5, 5, 3], settings,
+                           [torch.Generator().manual_seed(s) for s in range(3)])
+    for slot, (a, b) in enumerate(zip(blocks_single, blocks)):
+        n = len(b.tokens)
+        assert a.tokens[:n] == b.tokens
+        assert (a.confidence_logits[:n] - b.confidence_logits).abs().max() < 1e-4
+        if settings[slot].greedy:
+            assert b.probs is None
+        else:
+            assert (a.probs[:n] - b.probs).abs().max() < 1e-5
 
 
 def test_engine_rejects_bad_requests(tiny_targets):

@@ -81,7 +81,9 @@ class AcceptanceEstimate:
 class Engine:
     """Continuous-batching speculative decoding over `max_batch` slots.
 
-    `make_drafter` builds one Drafter per request (None: no speculation); `policy` picks ℓ_r."""
+    Drafting: `draft_model` (a DSpark / DFlash model) drafts for all slots in one batched pass;
+    otherwise `make_drafter` builds one Drafter per request (e.g. prompt lookup, EAGLE-3); with
+    neither, no speculation. `policy` picks ℓ_r."""
 
     def __init__(
         self,
@@ -90,9 +92,13 @@ class Engine:
         policy: Policy | None = None,
         max_batch: int = 8,
         max_len: int | None = None,
+        draft_model=None,
+        temperatures: list[float] | None = None,
     ):
         if max_batch < 1:
             raise DsparkError(f"max_batch must be >= 1, got {max_batch}")
+        if draft_model is not None and make_drafter is not None:
+            raise DsparkError("give either draft_model (batched) or make_drafter (per request), not both")
         self.target = target
         self.model = target.model
         self.make_drafter = make_drafter
@@ -102,7 +108,13 @@ class Engine:
         self.cache = self.model.new_cache(max_batch, self.max_len)
         self.slots: list[_Slot | None] = [None] * max_batch
         self.waiting: list[Request] = []
-        probe = make_drafter() if make_drafter else None
+        self.batch = None
+        if draft_model is not None:
+            from dspark.draft.batched import DSparkBatch
+
+            self.batch = DSparkBatch(draft_model, target, max_batch, self.max_len)
+            self.batch.temperatures = temperatures
+        probe = self.batch or (make_drafter() if make_drafter else None)
         self.taps = tuple(probe.tap_layers) if probe else ()
         self.positions = getattr(probe, "block_size", None) or getattr(probe, "num_draft_tokens", None) or 8
         self.estimate = AcceptanceEstimate(self.positions)
@@ -146,8 +158,12 @@ class Engine:
             return
         slots = [self.slots[b] for b in active]
         budgets = [self._budget(b) for b in active]
-        blocks = [s.drafter.propose(s.anchor, n, s.request.params, s.generator) if s.drafter and n > 0 else None
-                  for s, n in zip(slots, budgets)]
+        if self.batch is not None:
+            blocks = self.batch.propose(active, [s.anchor for s in slots], budgets, [s.request.params for s in slots],
+                                        [s.generator for s in slots])
+        else:
+            blocks = [s.drafter.propose(s.anchor, n, s.request.params, s.generator) if s.drafter and n > 0 else None
+                      for s, n in zip(slots, budgets)]
         drafts = [blk.tokens[:n] if blk else [] for blk, n in zip(blocks, budgets)]
         lengths = self._schedule(slots, blocks, drafts)
 
@@ -181,7 +197,9 @@ class Engine:
         for i, (b, s, d, ell) in enumerate(zip(active, slots, drafts, lengths)):
             a, nxt = results[i]
             blk = blocks[i]
-            if s.drafter:
+            if self.batch is not None:
+                self.batch.observe(b, out.taps[b, : a + 1])
+            elif s.drafter:
                 s.drafter.observe([s.anchor] + d[:a], out.taps[b, : a + 1] if self.taps else None)
             conf = blk.confidence_logits[:ell].tolist() if blk is not None and blk.confidence_logits is not None else None
             s.request.rounds.append(RoundRecord(ell, a, conf))
@@ -203,8 +221,8 @@ class Engine:
         if self.policy.needs_survivals:
             for s, blk, n in zip(slots, blocks, drafted):
                 if blk is not None and blk.confidence_logits is not None:
-                    survivals.append(prefix_survival(blk.confidence_logits[:n].tolist(),
-                                                     getattr(s.drafter, "temperatures", None)))
+                    temps = self.batch.temperatures if self.batch is not None else getattr(s.drafter, "temperatures", None)
+                    survivals.append(prefix_survival(blk.confidence_logits[:n].tolist(), temps))
                 else:
                     survivals.append(self.estimate.survivals(n))
         else:
@@ -228,6 +246,9 @@ class Engine:
         if drafter:
             drafter.begin(r.prompt_ids)
             drafter.observe(list(r.prompt_ids), out.taps[0] if self.taps else None)
+        if self.batch is not None:
+            self.batch.reset(b)
+            self.batch.observe(b, out.taps[0])
         decode = self.target.decode if self.target.tokenizer is not None else None
         checker = StopChecker(self.target.eos_token_ids, r.max_new_tokens, r.stop, decode)
         self.slots[b] = _Slot(r, gen, checker, drafter, token)

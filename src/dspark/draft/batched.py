@@ -1,0 +1,102 @@
+"""Batched DSpark drafting for the engine: one backbone + LM-head pass for all active slots, the
+sequential head vectorised across slots, each slot sampling with its own parameters and generator.
+
+Each engine slot keeps its own context K/V (rows of per-layer buffers); a block attends to its
+slot's committed context (masked to the slot's length) and bidirectionally to itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.decode.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
+from dspark.draft.base import DraftBlock
+from dspark.draft.dspark import DSparkModel
+
+
+class DSparkBatch:
+    def __init__(self, model: DSparkModel, target, slots: int, max_len: int):
+        self.model = model.eval()
+        self.target = target
+        self.cfg = model.cfg
+        self.block_size = model.cfg.block_size
+        self.tap_layers = tuple(model.cfg.target_layer_ids)
+        attn = model.layers[0].self_attn
+        shape = (slots, attn.nkv, max_len, attn.hd)
+        self.k = [model.fc.weight.new_zeros(shape) for _ in model.layers]
+        self.v = [model.fc.weight.new_zeros(shape) for _ in model.layers]
+        self.lengths = [0] * slots
+        self.max_len = max_len
+        self.temperatures: list[float] | None = None
+        head = model.markov_head
+        self._w2t = head.markov_w2.weight.t().contiguous() if head is not None else None
+
+    def reset(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    @torch.inference_mode()
+    def observe(self, slot: int, taps: torch.Tensor) -> None:
+        """Append the committed positions' context K/V (taps [n, m, H]) to `slot`."""
+        n, start = taps.shape[0], self.lengths[slot]
+        pos = torch.arange(start, start + n)[None]
+        for buf_k, buf_v, (k, v) in zip(self.k, self.v, self.model.context_kv(self.model.context(taps[None]), pos)):
+            buf_k[slot, :, start : start + n] = k[0]
+            buf_v[slot, :, start : start + n] = v[0]
+        self.lengths[slot] = start + n
+
+    @torch.inference_mode()
+    def propose(self, slots: list[int], anchors: list[int], budgets: list[int], params: list[SamplingParams],
+                generators: list[torch.Generator]) -> list[DraftBlock | None]:
+        rows = [i for i, n in enumerate(budgets) if n > 0]
+        out: list[DraftBlock | None] = [None] * len(slots)
+        if not rows:
+            return out
+        m, g = self.model, self.block_size
+        sl = [slots[i] for i in rows]
+        lens = torch.tensor([self.lengths[s] for s in sl])
+        ctx = int(lens.max())
+        ids = torch.tensor([[anchors[i]] + [self.cfg.mask_token_id] * (g - 1) for i in rows])
+        pos = lens[:, None] + torch.arange(g)
+        index = torch.tensor(sl)
+        ctx_kv = [(k[index, :, :ctx], v[index, :, :ctx]) for k, v in zip(self.k, self.v)]
+        sees_ctx = (torch.arange(ctx)[None, :] < lens[:, None])[:, None, :].expand(-1, g, -1)
+        mask = torch.cat([sees_ctx, torch.ones(len(rows), g, g, dtype=torch.bool)], dim=-1)[:, None]
+        h = m.block_hidden(self.target.model.embed(ids), pos, ctx_kv, mask)  # [R, γ, H]
+        base = self.target.model.logits(h)  # [R, γ, V]
+
+        R = len(rows)
+        tokens = torch.zeros(R, g, dtype=torch.long)
+        probs = [[] for _ in range(R)]
+        greedy = [j for j, i in enumerate(rows) if params[i].greedy]
+        groups: dict[SamplingParams, list[int]] = {}
+        for j, i in enumerate(rows):
+            if not params[i].greedy:
+                groups.setdefault(params[i], []).append(j)
+        head, conf_head = m.markov_head, m.confidence_head
+        prev = torch.tensor([anchors[i] for i in rows])
+        state = head.initial_state(h[:, 0]) if head is not None else None
+        embeds = []
+        for k in range(g):
+            logits = base[:, k]
+            if head is not None:
+                e = head.markov_w1.weight[prev]
+                u, state = head.step(h[:, k], e, state)
+                logits = (u @ self._w2t).float().add_(logits)
+                embeds.append(e)
+            if greedy:
+                tokens[greedy, k] = torch.tensor(argmax_rows(logits[greedy]))
+            for p, members in groups.items():
+                pk = probs_from_logits(logits[members], p)
+                u01 = torch.stack([torch.rand((), generator=generators[rows[j]]) for j in members])
+                tokens[members, k] = sample(pk, u01)
+                for t, j in enumerate(members):
+                    probs[j].append(pk[t])
+            prev = tokens[:, k]
+        conf = None
+        if conf_head is not None:
+            conf = conf_head(h, torch.stack(embeds, dim=1) if embeds else None).float()
+        for j, i in enumerate(rows):
+            n = min(g, budgets[i])
+            out[i] = DraftBlock(tokens[j, :n].tolist(), torch.stack(probs[j][:n]) if probs[j] else None,
+                                None if conf is None else conf[j, :n])
+        return out
