@@ -113,3 +113,20 @@ def test_engine_rejects_bad_requests(tiny_targets):
         engine.submit(Request(list(range(40))))
     r = engine.run([Request(list(range(3, 20)), 100)])[0]  # runs into the 32-token window
     assert r.finish_reason == "length" and len(r.prompt_ids) + len(r.token_ids) <= 33
+
+
+def test_bench_serve_cli(tmp_path):
+    from test_cli import assert_clean_error, run_cli
+
+    ds = tmp_path / "p.jsonl"
+    ds.write_text('{"turns": ["Name a fruit."]}\n{"turns": ["Count to three."]}\n')
+    r = run_cli("bench", "serve", "--drafter", "prompt-lookup", "--policies", "ar,fixed:1,dspark", "--concurrency", "1,2",
+                "--requests", "2", "--max-new-tokens", "8", "--dataset", str(ds), "--out", str(tmp_path / "out"),
+                "--dtype", "float32", env_extra={"DSPARK_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    result = __import__("json").loads((tmp_path / "out" / "serve.json").read_text())
+    assert [(x["concurrency"], x["policy"]) for x in result["rows"]] == [
+        (c, p) for c in (1, 2) for p in ("ar", "fixed:1", "dspark")]
+    assert all(x["throughput_tok_s"] > 0 and x["output_tokens"] > 0 for x in result["rows"])
+    assert (tmp_path / "out" / "pareto.png").stat().st_size > 0
+    assert_clean_error(run_cli("bench", "serve", "--policies", "ar,warp", "--out", str(tmp_path / "x")), "unknown policy")

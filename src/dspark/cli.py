@@ -225,6 +225,31 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--steps", type=_positive_int, default=2000, help="simulated steps per point (default 2000)")
     si.add_argument("--seed", type=int, default=0)
     si.set_defaults(func=cmd_simulate)
+
+    be = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
+    bsub = be.add_subparsers(dest="bench_command", metavar="ACTION", parser_class=_Parser)
+    bsub.required = True
+    bs = bsub.add_parser(
+        "serve",
+        help="closed-loop load benchmark of every verification policy",
+        description="Closed-loop clients at each concurrency (C requests always in flight) over evaluation "
+        "prompts, every policy in the same run; writes OUT/serve.json, OUT/serve.md and OUT/pareto.png "
+        "(aggregate output tok/s vs per-user tok/s).",
+    )
+    bs.add_argument("--drafter", default="prompt-lookup", help="none | prompt-lookup | PATH (default prompt-lookup)")
+    bs.add_argument("--policies", default="ar,fixed:1,fixed:4,threshold:0.5,dspark,dspark-async",
+                    help="comma-separated policies (default: ar,fixed:1,fixed:4,threshold:0.5,dspark,dspark-async)")
+    bs.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated levels (default 1,2,4,8,16,32)")
+    bs.add_argument("--requests", type=_positive_int, default=32, help="requests per level and policy (default 32)")
+    bs.add_argument("--max-new-tokens", type=_positive_int, default=128, help="(default 128)")
+    bs.add_argument("--temperature", type=float, default=0.0)
+    bs.add_argument("--dataset", action="append", default=None, help="prompt JSONL (default: the bundled eval sets)")
+    bs.add_argument("--sps-max-tokens", type=_positive_int, default=None,
+                    help="profile SPS(B) up to this B (default: max concurrency x 9, capped at 256)")
+    bs.add_argument("--out", required=True, help="output directory")
+    bs.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
+    bs.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto (default auto)")
+    bs.set_defaults(func=cmd_bench_serve)
     return parser
 
 
@@ -481,6 +506,32 @@ def cmd_simulate(args) -> int:
         for c in levels:
             r = simulate(parse_policy(spec, sps), sps, c, args.gamma, args.steps, args.accept_mean, seed=args.seed)
             print(f"{r.policy:15s} {c:11d} {r.throughput:8.1f} {r.per_user:9.1f} {r.avg_verify_len:15.2f} {r.tau:6.2f}")
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    from dspark.eval.runner import default_datasets, load_eval_prompts
+    from dspark.serve.bench import bench_serve, write_bench_report
+    from dspark.serve.scheduler import SPSTable, parse_policy
+    from dspark.serve.sps import load_or_measure
+    from dspark.target.loading import load_target, parse_dtype
+
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        raise DsparkError(f"--concurrency expects comma-separated integers, got {args.concurrency!r}") from None
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for p in policies:  # validate names before loading anything
+        parse_policy(p, SPSTable((1.0,)))
+    prompts = [p for d in (args.dataset or default_datasets()) for p in load_eval_prompts(d)]
+    target = load_target(args.model, dtype=parse_dtype(args.dtype))
+    sps_max = args.sps_max_tokens or min(256, max(levels) * 9)
+    sps, _, _ = load_or_measure(target, max_tokens=sps_max)
+    result = bench_serve(target, args.drafter, policies, levels, prompts, args.requests, args.max_new_tokens, sps,
+                         args.temperature)
+    out = Path(args.out)
+    write_bench_report(result, out, "dspark " + " ".join(sys.argv[1:]))
+    print((out / "serve.md").read_text())
     return 0
 
 
