@@ -113,6 +113,15 @@ def test_engine_rejects_bad_requests(tiny_targets):
         engine.submit(Request(list(range(40))))
     r = engine.run([Request(list(range(3, 20)), 100)])[0]  # runs into the 32-token window
     assert r.finish_reason == "length" and len(r.prompt_ids) + len(r.token_ids) <= 33
+    # a request at its window's edge shares steps with one verifying long drafts: both stay exact
+    drafter = make_random_dspark(target, "vanilla", block_size=6, std=0.3)
+    engine = Engine(target, policy=parse_policy("fixed:6"), max_batch=2, max_len=32, draft_model=drafter.model)
+    near, far = Request(list(range(3, 30)), 50), Request([5, 6, 7], 50)
+    engine.run([near, far])
+    ar = Decoder(target)
+    for r in (near, far):
+        assert r.finish_reason == "length" and len(r.prompt_ids) + len(r.token_ids) in (32, 33)
+        assert ar.generate(r.prompt_ids, 50).token_ids[: len(r.token_ids)] == r.token_ids
 
 
 def test_bench_serve_cli(tmp_path):

@@ -27,6 +27,9 @@ from dspark.errors import DsparkError
 from dspark.serve.scheduler import ARPolicy, Policy
 
 
+HEADROOM = 64  # extra cache columns for the padding of ragged verification rows (caps drafts per step)
+
+
 @dataclasses.dataclass
 class Request:
     prompt_ids: list[int]
@@ -104,8 +107,12 @@ class Engine:
         self.make_drafter = make_drafter
         self.policy = policy or ARPolicy()
         self.max_batch = max_batch
-        self.max_len = min(max_len or self.model.max_positions, self.model.max_positions)
-        self.cache = self.model.new_cache(max_batch, self.max_len)
+        # rows verify ragged lengths padded to the longest: padding K/V of a row near its limit lands in
+        # HEADROOM extra cache columns (never valid), so the usable window is that much shorter
+        self.max_len = min(max_len or self.model.max_positions, self.model.max_positions - HEADROOM)
+        if self.max_len < 2:
+            raise DsparkError(f"max_len must leave room for a prompt and a token (model positions {self.model.max_positions})")
+        self.cache = self.model.new_cache(max_batch, self.max_len + HEADROOM)
         self.slots: list[_Slot | None] = [None] * max_batch
         self.waiting: list[Request] = []
         self.batch = None
@@ -212,7 +219,7 @@ class Engine:
         """Drafts row b may verify: the bonus token always comes on top, within both limits."""
         s = self.slots[b]
         left = s.request.max_new_tokens - len(s.checker.token_ids)
-        room = self.max_len - int(self.cache.lengths[b]) - 1
+        room = min(self.max_len - int(self.cache.lengths[b]), HEADROOM) - 1
         return max(0, min(left - 1, room))
 
     def _schedule(self, slots, blocks, drafts) -> list[int]:
