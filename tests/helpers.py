@@ -78,23 +78,29 @@ class RandomDrafter(Drafter):
         return DraftBlock(tokens=torch.randint(self.vocab_size, (n,), generator=self.gen).tolist())
 
 
-def make_random_dspark(target, head: str = "vanilla", block_size: int = 4, layers: int = 1, rank: int = 8,
-                       confidence: bool = True, seed: int = 0, std: float = 0.15):
-    """A randomly initialised DSpark drafter for `target` with weights large enough that every head
-    visibly changes the logits (the default 0.02 init would make the heads near no-ops)."""
-    from dspark.draft.checkpoint import new_draft_config
-    from dspark.draft.dspark import DSparkDrafter, DSparkModel
+def _random_drafter(cfg, target, seed: int, std: float):
+    """Init `cfg`'s model with weights large enough that every part visibly matters (the default
+    0.02 init makes the heads near no-ops), perturb the norms, and wrap it for inference."""
+    from dspark.draft.checkpoint import new_model, wrap_drafter
 
-    cfg = new_draft_config(target, block_size=block_size, num_hidden_layers=layers, markov_head_type=head,
-                           markov_rank=rank, enable_confidence_head=confidence)
     torch.manual_seed(seed)
-    model = DSparkModel(cfg)
+    model = new_model(cfg)
     model.reset_parameters(std)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(0.2 * torch.randn_like(p))
-    return DSparkDrafter(model.to(target.model.dtype).requires_grad_(False), target)
+    return wrap_drafter(model.to(target.model.dtype).requires_grad_(False), target)
+
+
+def make_random_dspark(target, head: str = "vanilla", block_size: int = 4, layers: int = 1, rank: int = 8,
+                       confidence: bool = True, seed: int = 0, std: float = 0.15):
+    """A randomly initialised DSpark drafter for `target`."""
+    from dspark.draft.checkpoint import new_draft_config
+
+    cfg = new_draft_config(target, block_size=block_size, num_hidden_layers=layers, markov_head_type=head,
+                           markov_rank=rank, enable_confidence_head=confidence)
+    return _random_drafter(cfg, target, seed, std)
 
 
 def make_tiny_regen_data(target, path: Path, n: int = 40, prompt_len: int = 6, new_tokens: int = 40, seed: int = 0) -> Path:
@@ -112,19 +118,10 @@ def make_tiny_regen_data(target, path: Path, n: int = 40, prompt_len: int = 6, n
 
 
 def make_random_eagle3(target, block_size: int = 4, seed: int = 0, std: float = 0.15):
-    """A randomly initialised EAGLE-3 drafter for `target` (weights scaled like make_random_dspark)."""
+    """A randomly initialised EAGLE-3 drafter for `target`."""
     from dspark.draft.checkpoint import new_draft_config
-    from dspark.draft.eagle3 import Eagle3Drafter, Eagle3Model
 
-    cfg = new_draft_config(target, block_size=block_size, kind="eagle3")
-    torch.manual_seed(seed)
-    model = Eagle3Model(cfg)
-    model.reset_parameters(std)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.2 * torch.randn_like(p))
-    return Eagle3Drafter(model.to(target.model.dtype).requires_grad_(False), target)
+    return _random_drafter(new_draft_config(target, block_size=block_size, kind="eagle3"), target, seed, std)
 
 
 def tiny_sharp_target(tmp_path: Path):

@@ -235,16 +235,23 @@ class DSparkModel(DraftModelBase):
         return self.apply_heads(h, base, prev_tokens)
 
 
-class DSparkDrafter(Drafter):
-    """Inference wrapper: incremental context KV cache + the semi-autoregressive sampling loop."""
+class ModelDrafter(Drafter):
+    """A Drafter backed by a drafter model sharing the target's embedding and LM head."""
 
-    def __init__(self, model: DSparkModel, target, num_draft_tokens: int | None = None):
+    def __init__(self, model: DraftModelBase, target, num_draft_tokens: int | None = None):
         self.model = model.eval()
         self.target = target
         self.cfg = model.cfg
         self.tap_layers = tuple(model.cfg.target_layer_ids)
         self.block_size = model.cfg.block_size
         self.num_draft_tokens = min(num_draft_tokens or self.block_size, self.block_size)
+
+
+class DSparkDrafter(ModelDrafter):
+    """Inference wrapper: incremental context KV cache + the semi-autoregressive sampling loop."""
+
+    def __init__(self, model: DSparkModel, target, num_draft_tokens: int | None = None):
+        super().__init__(model, target, num_draft_tokens)
         self._w2t: torch.Tensor | None = None
         self.temperatures: list[float] | None = None  # STS calibration (DESIGN.md §6)
         self.confidence_threshold: float | None = None  # static-threshold verification

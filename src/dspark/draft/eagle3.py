@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.decode.sampling import SamplingParams
-from dspark.draft.base import DraftBlock, Drafter, token_picker
+from dspark.draft.base import DraftBlock, token_picker
 from dspark.draft.config import DraftConfig
-from dspark.draft.dspark import DraftAttention, DraftMLP, DraftModelBase, RMSNorm
+from dspark.draft.dspark import DraftAttention, DraftMLP, DraftModelBase, ModelDrafter, RMSNorm
 
 
 class Eagle3Layer(nn.Module):
@@ -102,16 +102,11 @@ class Eagle3Model(DraftModelBase):
         return F.linear(hidden, lm_head_weight.to(hidden.dtype)), None
 
 
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(ModelDrafter):
     """Inference: pair KV cache of the context + γ autoregressive draft steps with exact p_d."""
 
     def __init__(self, model: Eagle3Model, target, num_draft_tokens: int | None = None):
-        self.model = model.eval()
-        self.target = target
-        self.cfg = model.cfg
-        self.tap_layers = tuple(model.cfg.target_layer_ids)
-        self.block_size = model.cfg.block_size
-        self.num_draft_tokens = min(num_draft_tokens or self.block_size, self.block_size)
+        super().__init__(model, target, num_draft_tokens)
         self.begin([])
 
     def begin(self, prompt_ids: list[int]) -> None:
