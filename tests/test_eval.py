@@ -10,6 +10,7 @@ from dspark.decode.generate import Decoder, RoundRecord
 from dspark.draft.checkpoint import save_drafter
 from dspark.eval import metrics
 from dspark.eval.calibration import fit_sts
+from dspark.errors import DsparkError
 from dspark.eval.runner import evaluate, write_report
 from dspark.target.loading import load_target
 from helpers import eval_prompts, make_random_dspark
@@ -89,6 +90,30 @@ def test_eval_runs_every_drafter_and_ar_on_the_same_prompts(smollm2_fp32, tmp_pa
     assert set(json.loads((tmp_path / "out" / "results.json").read_text())["runs"][0]) >= {
         "drafter", "dataset", "temperature", "prompts", "tau", "cond_accept", "verify_efficiency", "decode_tok_s",
         "ar_decode_tok_s", "speedup", "calibration"}
+
+
+def test_eval_journal_resumes_after_a_kill_and_refuses_other_settings(smollm2_fp32, tmp_path):
+    target = smollm2_fp32
+    ds = tmp_path / "mini.jsonl"
+    ds.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in eval_prompts("humaneval", 3)))
+    journal = tmp_path / "ev" / "journal.jsonl"
+    run = lambda **kw: evaluate(target, ["prompt-lookup"], [ds], None, kw.get("n", 12), [0.0], progress=False,  # noqa: E731
+                                journal_path=journal)
+    first = run()
+    lines = journal.read_text().splitlines(keepends=True)
+    assert len(lines) == 1 + 3 * 2  # settings + (AR, prompt-lookup) x 3 prompts
+    journal.write_text("".join(lines[:4]) + lines[4][:25])  # killed while writing the 4th generation
+    resumed = run()
+    again = journal.read_text().splitlines(keepends=True)
+    assert again[:4] == lines[:4] and len(again) == 7  # kept the finished ones, redid only the rest
+    tau = lambda res: [(r["drafter"], r["dataset"], r["tau"], r["cond_accept"]) for r in res["runs"]]  # noqa: E731
+    assert tau(resumed) == tau(first)  # greedy: the same rounds whether resumed or not
+    assert run() == resumed and journal.read_text().splitlines(keepends=True) == again  # all from the journal
+    with pytest.raises(DsparkError, match="other settings.*max_new_tokens"):
+        run(n=13)
+    journal.write_text(again[0] + "not json\n" + "".join(again[1:]))
+    with pytest.raises(DsparkError, match="journal.jsonl:2: not valid JSON"):
+        run()
 
 
 def test_static_confidence_threshold_is_lossless_and_truncates(tiny_targets):

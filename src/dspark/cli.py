@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run every --drafter and plain AR on the same prompts (order rotated per prompt so "
         "machine drift hits all alike) and write OUT/results.json, OUT/report.md and plots: τ, conditional "
         "acceptance per block position, verify efficiency, decode tok/s, speedup over AR, and for drafters "
-        "with a confidence head ECE / ROC-AUC / Brier of the prefix-survival product.",
+        "with a confidence head ECE / ROC-AUC / Brier of the prefix-survival product. Finished generations are kept "
+        "in OUT/journal.jsonl: rerunning the same command after an interruption resumes where it stopped.",
     )
     ev.add_argument("--drafter", action="append", required=True, help="prompt-lookup | PATH (repeatable)")
     ev.add_argument("--dataset", action="append", default=None,
@@ -423,9 +424,9 @@ def cmd_eval(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target(args.model, dtype=parse_dtype(args.dtype))
-    results = evaluate(target, args.drafter, datasets, args.limit, args.max_new_tokens, temps, args.seed,
-                       args.confidence_threshold)
     out = Path(args.out)
+    results = evaluate(target, args.drafter, datasets, args.limit, args.max_new_tokens, temps, args.seed,
+                       args.confidence_threshold, journal_path=out / "journal.jsonl")
     write_report(results, out)
     print((out / "report.md").read_text())
     return 0

@@ -4,6 +4,7 @@ calibration and wall-clock speed (DESIGN.md §5)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import statistics
 from pathlib import Path
@@ -15,6 +16,7 @@ from dspark.decode.sampling import SamplingParams
 from dspark.draft.registry import load_drafter
 from dspark.errors import DsparkError
 from dspark.eval import metrics
+from dspark.eval.journal import EvalJournal
 from dspark.train.data import read_jsonl
 
 DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[3] / "data" / "eval"
@@ -47,15 +49,21 @@ class RunAccumulator:
     decode_s: float = 0.0
     prompts: int = 0
 
-    def add(self, result) -> None:
-        self.rounds += result.rounds
-        self.tokens += result.stats.new_tokens - 1
-        self.decode_s += result.stats.decode_s
+    def add(self, record: dict) -> None:
+        self.rounds += [RoundRecord(*r) for r in record["rounds"]]
+        self.tokens += record["decode_tokens"]
+        self.decode_s += record["decode_s"]
         self.prompts += 1
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.decode_s if self.decode_s else 0.0
+
+
+def generation_record(result) -> dict:
+    """What the report needs of one generation, as JSON (the journal's line)."""
+    return {"decode_tokens": result.stats.new_tokens - 1, "decode_s": result.stats.decode_s,
+            "rounds": [[r.drafted, r.accepted, r.confidence_logits] for r in result.rounds]}
 
 
 def drafter_name(spec: str) -> str:
@@ -77,8 +85,12 @@ def evaluate(
     seed: int = 0,
     confidence_threshold: float | None = None,
     progress: bool = True,
+    journal_path: Path | None = None,
 ) -> dict:
-    """Run every drafter and AR on the same prompts; returns {"runs": [...]} (see README)."""
+    """Run every drafter and AR on the same prompts; returns {"runs": [...]} (see README).
+
+    With `journal_path`, finished generations are kept there and a rerun with the same settings
+    continues where the last one stopped."""
     prompt_sets = {Path(d).stem: load_eval_prompts(d)[:limit] for d in datasets}
     engines: dict[str, Decoder] = {"ar": Decoder(target)}
     drafters = {}
@@ -89,6 +101,12 @@ def evaluate(
         threshold = confidence_threshold if spec not in ("prompt-lookup", "none") else None
         drafters[name] = load_drafter(spec, target, None, threshold)
         engines[name] = Decoder(target, drafters[name])
+    settings = {"target": str(target.path), "dtype": str(target.model.dtype), "max_new_tokens": max_new_tokens,
+                "temperatures": temperatures, "seed": seed, "confidence_threshold": confidence_threshold,
+                "datasets": {ds: _digest(json.dumps(p).encode()) for ds, p in prompt_sets.items()},
+                "drafters": {spec: _checkpoint_digest(spec) for spec in drafter_specs}}
+    journal = EvalJournal(journal_path, settings) if journal_path else None
+    done = journal.done if journal else {}
     total = len(temperatures) * sum(len(p) for p in prompt_sets.values()) * len(engines)
     acc: dict[tuple[str, str, float], RunAccumulator] = {}
     bar = tqdm(total=total, desc="evaluating", unit="gen", disable=not progress)
@@ -97,11 +115,17 @@ def evaluate(
         params = SamplingParams(temperature=temp)
         for ds, prompts in prompt_sets.items():
             for i, text in enumerate(prompts):
-                ids = target.encode_prompt(text)
+                ids = None
                 order = names[i % len(names) :] + names[: i % len(names)]  # rotate: drift hits all alike
                 for name in order:
-                    result = engines[name].generate(ids, max_new_tokens, params, seed=seed + i)
-                    acc.setdefault((name, ds, temp), RunAccumulator()).add(result)
+                    key = (temp, ds, i, name)
+                    record = done.get(key)
+                    if record is None:
+                        ids = ids or target.encode_prompt(text)
+                        record = generation_record(engines[name].generate(ids, max_new_tokens, params, seed=seed + i))
+                        if journal:
+                            journal.add(key, record)
+                    acc.setdefault((name, ds, temp), RunAccumulator()).add(record)
                     bar.update(1)
     bar.close()
 
@@ -117,6 +141,22 @@ def evaluate(
     return {"runs": runs, "config": {"datasets": {k: len(v) for k, v in prompt_sets.items()},
                                      "max_new_tokens": max_new_tokens, "temperatures": temperatures, "seed": seed,
                                      "confidence_threshold": confidence_threshold, "drafters": drafter_specs}}
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _checkpoint_digest(spec: str) -> str:
+    """A drafter checkpoint's identity: its config (calibration included) and weights."""
+    path = Path(spec)
+    if not path.is_dir():
+        return spec
+    h = hashlib.sha256()
+    for f in sorted(path.glob("*.json")) + sorted(path.glob("*.safetensors")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _positions(drafter, rounds) -> int:
