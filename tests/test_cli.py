@@ -97,3 +97,19 @@ def test_draft_init_then_generate_with_it_matches_plain_greedy(tmp_path):
     assert outs[0]["token_ids"] == outs[1]["token_ids"]
     r = run_cli("generate", "--prompt", "hi", "--drafter", str(tmp_path / "d"), "--num-draft-tokens", "9")
     assert_clean_error(r, "exceeds the drafter's block size 4")
+
+
+def test_default_drafter_is_the_shipped_one_and_lossless():
+    """No --drafter on the embedded model: the bundled, trained DSpark drafter; greedy output equals AR's."""
+    outs = {}
+    for drafter in [None, "none"]:
+        extra = ["--drafter", drafter] if drafter else []
+        r = run_cli("generate", "--prompt", "Write a Python function that returns the square of a number.",
+                    "--max-new-tokens", "48", "--dtype", "float32", *extra)
+        assert r.returncode == 0, r.stderr
+        outs[drafter] = r
+    stats = outs[None].stderr
+    assert "drafters/smollm2-135m-instruct" in stats, stats
+    assert outs[None].stdout == outs["none"].stdout
+    tau = float(stats.split("tau ")[1].split(",")[0])
+    assert tau > 2.0, stats  # a trained drafter, not a random one

@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from dspark.decode.sampling import SamplingParams
 from dspark.draft.checkpoint import export_drafter, load_drafter_checkpoint, load_model, save_drafter
+from dspark.draft import registry
 from dspark.draft.registry import load_drafter
 from dspark.errors import DsparkError
 from dspark.target.loading import load_target
@@ -156,3 +157,17 @@ def test_cli_draft_init_writes_a_loadable_drafter(tiny_targets, tiny, tmp_path):
     ]:
         r = _dspark("draft", "init", "--model", str(path), "--out", str(tmp_path / "f"), *args)
         assert r.returncode == 1 and message in r.stderr.splitlines()[-1] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_auto_picks_the_bundled_drafter_of_the_target_else_prompt_lookup(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(registry, "BUNDLED_DIR", tmp_path / "bundled")
+    qwen3, llama = tiny["qwen3-tied"], tiny["llama-untied"]
+    save_drafter(make_random_dspark(qwen3, "vanilla", block_size=4).model, tmp_path / "bundled" / "q", target=qwen3)
+    assert registry.bundled_drafter(qwen3) == tmp_path / "bundled" / "q"
+    assert registry.bundled_drafter(llama) is None
+    assert load_drafter("auto", qwen3).block_size == 4
+    assert type(load_drafter("auto", llama)).__name__ == "PromptLookupDrafter"
+    # same shapes, other weights: the probe tells them apart
+    other = load_target(make_tiny_hf_model("qwen3", tmp_path / "other-qwen3", tie=True, seed=1), dtype=torch.float32,
+                        require_tokenizer=False)
+    assert registry.bundled_drafter(other) is None

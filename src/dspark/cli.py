@@ -57,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="float32 | bfloat16 | auto (default: bf16 on CPUs with native bf16 matrix units, else fp32)",
     )
-    g.add_argument("--drafter", default="prompt-lookup",
-                   help="none | prompt-lookup | PATH to a drafter checkpoint (default prompt-lookup)")
+    g.add_argument("--drafter", default="auto",
+                   help="auto | none | prompt-lookup | PATH to a drafter checkpoint (default auto: the DSpark "
+                   "drafter dspark ships for the target, i.e. for the embedded SmolLM2, else prompt-lookup)")
     g.add_argument("--num-draft-tokens", type=_positive_int, default=None, help="max draft tokens per round")
     g.add_argument("--confidence-threshold", type=float, default=None, metavar="C",
                    help="verify drafts only while their calibrated prefix survival >= C (drafters with a confidence head)")
@@ -161,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
         "with a confidence head ECE / ROC-AUC / Brier of the prefix-survival product. Finished generations are kept "
         "in OUT/journal.jsonl: rerunning the same command after an interruption resumes where it stopped.",
     )
-    ev.add_argument("--drafter", action="append", required=True, help="prompt-lookup | PATH (repeatable)")
+    ev.add_argument("--drafter", action="append", required=True,
+                    help="auto | prompt-lookup | PATH (repeatable; auto = the bundled drafter of the target)")
     ev.add_argument("--dataset", action="append", default=None,
                     help="JSONL with {\"turns\": [...]} per line (repeatable; default: the five bundled eval sets)")
     ev.add_argument("--limit", type=_positive_int, default=None, help="first N prompts of each dataset")
@@ -237,7 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
         "prompts, every policy in the same run; writes OUT/serve.json, OUT/serve.md and OUT/pareto.png "
         "(aggregate output tok/s vs per-user tok/s).",
     )
-    bs.add_argument("--drafter", default="prompt-lookup", help="none | prompt-lookup | PATH (default prompt-lookup)")
+    bs.add_argument("--drafter", default="auto",
+                    help="auto | none | prompt-lookup | PATH (default auto: the bundled drafter of the target, "
+                    "else prompt-lookup)")
     bs.add_argument("--policies", default="ar,fixed:1,fixed:4,threshold:0.5,dspark,dspark-async",
                     help="comma-separated policies (default: ar,fixed:1,fixed:4,threshold:0.5,dspark,dspark-async)")
     bs.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated levels (default 1,2,4,8,16,32)")
@@ -313,7 +317,7 @@ def cmd_generate(args) -> int:
     from dspark.decode.generate import Decoder
     from dspark.decode.sampling import SamplingParams
     from dspark.decode.streaming import TextStreamer
-    from dspark.draft.registry import load_drafter
+    from dspark.draft.registry import load_drafter, resolve_drafter_spec
     from dspark.target.loading import load_target, parse_dtype
 
     # validate everything cheap before loading the model
@@ -325,7 +329,8 @@ def cmd_generate(args) -> int:
         torch.set_num_threads(args.threads)
 
     target = load_target(args.model, dtype=dtype)
-    drafter = load_drafter(args.drafter, target, args.num_draft_tokens, args.confidence_threshold)
+    drafter_spec = resolve_drafter_spec(args.drafter, target)
+    drafter = load_drafter(drafter_spec, target, args.num_draft_tokens, args.confidence_threshold)
     prompt_ids = target.encode_prompt(args.prompt, chat=not args.raw)
     decoder = Decoder(target, drafter)
 
@@ -351,7 +356,7 @@ def cmd_generate(args) -> int:
         print(
             f"[dspark] {s.new_tokens} tokens, {s.rounds} rounds, tau {s.tau:.2f}, "
             f"decode {s.decode_tok_s:.1f} tok/s, prefill {s.prefill_s:.2f} s, "
-            f"drafter {args.drafter}, {str(target.model.dtype).removeprefix('torch.')}, finish {result.finish_reason}",
+            f"drafter {drafter_spec}, {str(target.model.dtype).removeprefix('torch.')}, finish {result.finish_reason}",
             file=sys.stderr,
         )
     return 0

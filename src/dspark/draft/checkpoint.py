@@ -100,8 +100,8 @@ def read_config(path: str | Path) -> dict:
         raise DsparkError(f"{path / 'config.json'} is not valid JSON: {e}") from None
 
 
-def check_against_target(cfg: DraftConfig, raw: dict, target, path: Path) -> None:
-    """Fail clearly when the drafter was made for another target."""
+def target_mismatches(cfg: DraftConfig, raw: dict, target) -> list[str]:
+    """Why a drafter (its config and raw config.json) does not fit `target`; [] when it does."""
     t, d = target.cfg, cfg.target
     problems = [
         f"{name} {mine} vs the target's {theirs}"
@@ -122,6 +122,12 @@ def check_against_target(cfg: DraftConfig, raw: dict, target, path: Path) -> Non
         theirs = torch.tensor(target_probe(target.model))
         if mine.shape != theirs.shape or not torch.allclose(mine, theirs, rtol=1e-2, atol=1e-4):
             problems.append("its embedding / LM-head probe differs (same shapes, different weights)")
+    return problems
+
+
+def check_against_target(cfg: DraftConfig, raw: dict, target, path: Path) -> None:
+    """Fail clearly when the drafter was made for another target."""
+    problems = target_mismatches(cfg, raw, target)
     if problems:
         raise DsparkError(
             f"drafter {path} was made for a different target than {target.path}: {'; '.join(problems)}. "

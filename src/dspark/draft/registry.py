@@ -8,12 +8,34 @@ from dspark.draft.base import Drafter
 from dspark.draft.prompt_lookup import PromptLookupDrafter
 from dspark.errors import DsparkError
 
-DRAFTER_CHOICES = "none | prompt-lookup | PATH to a drafter checkpoint directory"
+DRAFTER_CHOICES = "auto | none | prompt-lookup | PATH to a drafter checkpoint directory"
+BUNDLED_DIR = Path(__file__).resolve().parents[1] / "drafters"  # trained drafters shipped with dspark
+
+
+def bundled_drafter(target) -> Path | None:
+    """The drafter dspark ships for `target` (matched by shapes and a probe of its weights), if any."""
+    from dspark.draft.checkpoint import read_config, target_mismatches
+    from dspark.draft.config import DraftConfig
+
+    for path in sorted(p.parent for p in BUNDLED_DIR.glob("*/config.json")):
+        raw = read_config(path)
+        if not target_mismatches(DraftConfig.from_dict(raw), raw, target):
+            return path
+    return None
+
+
+def resolve_drafter_spec(spec: str | None, target) -> str | None:
+    """`auto` becomes the bundled drafter of `target`, or prompt-lookup when dspark ships none."""
+    if spec != "auto":
+        return spec
+    path = bundled_drafter(target)
+    return str(path) if path else "prompt-lookup"
 
 
 def load_drafter(
     spec: str | None, target, num_draft_tokens: int | None = None, confidence_threshold: float | None = None
 ) -> Drafter | None:
+    spec = resolve_drafter_spec(spec, target)
     if spec in (None, "none"):
         return None
     if confidence_threshold is not None and spec in ("prompt-lookup",):

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from dspark.decode.generate import Decoder, RoundRecord
 from dspark.decode.sampling import SamplingParams
-from dspark.draft.registry import load_drafter
+from dspark.draft.registry import load_drafter, resolve_drafter_spec
 from dspark.errors import DsparkError
 from dspark.eval import metrics
 from dspark.eval.journal import EvalJournal
@@ -94,6 +94,7 @@ def evaluate(
     prompt_sets = {Path(d).stem: load_eval_prompts(d)[:limit] for d in datasets}
     engines: dict[str, Decoder] = {"ar": Decoder(target)}
     drafters = {}
+    drafter_specs = [resolve_drafter_spec(s, target) for s in drafter_specs]
     for spec in drafter_specs:
         name = drafter_name(spec)
         if name in engines:
