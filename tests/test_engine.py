@@ -138,4 +138,14 @@ def test_bench_serve_cli(tmp_path):
         (c, p) for c in (1, 2) for p in ("ar", "fixed:1", "dspark")]
     assert all(x["throughput_tok_s"] > 0 and x["output_tokens"] > 0 for x in result["rows"])
     assert (tmp_path / "out" / "pareto.png").stat().st_size > 0
+    # killed after two cells: the rerun (with one more policy) keeps them and measures only the rest
+    journal = tmp_path / "out" / "journal.jsonl"
+    journal.write_text("".join(journal.read_text().splitlines(keepends=True)[:3]))
+    r = run_cli("bench", "serve", "--drafter", "prompt-lookup", "--policies", "ar,fixed:1,dspark,fixed:2",
+                "--concurrency", "1,2", "--requests", "2", "--max-new-tokens", "8", "--dataset", str(ds), "--out",
+                str(tmp_path / "out"), "--dtype", "float32", env_extra={"DSPARK_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    again = __import__("json").loads((tmp_path / "out" / "serve.json").read_text())["rows"]
+    assert again[:2] == result["rows"][:2] and len(again) == 8
+    assert len(journal.read_text().splitlines()) == 1 + 8
     assert_clean_error(run_cli("bench", "serve", "--policies", "ar,warp", "--out", str(tmp_path / "x")), "unknown policy")

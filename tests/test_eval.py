@@ -112,7 +112,7 @@ def test_eval_journal_resumes_after_a_kill_and_refuses_other_settings(smollm2_fp
     with pytest.raises(DsparkError, match="other settings.*max_new_tokens"):
         run(n=13)
     journal.write_text(again[0] + "not json\n" + "".join(again[1:]))
-    with pytest.raises(DsparkError, match="journal.jsonl:2: not valid JSON"):
+    with pytest.raises(DsparkError, match="journal.jsonl:2: not a journal record"):
         run()
 
 

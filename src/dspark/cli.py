@@ -237,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="closed-loop load benchmark of every verification policy",
         description="Closed-loop clients at each concurrency (C requests always in flight) over evaluation "
         "prompts, every policy in the same run; writes OUT/serve.json, OUT/serve.md and OUT/pareto.png "
-        "(aggregate output tok/s vs per-user tok/s).",
+        "(aggregate output tok/s vs per-user tok/s). Finished (concurrency, policy) cells are kept in "
+        "OUT/journal.jsonl: rerunning the same command after an interruption measures only the missing ones.",
     )
     bs.add_argument("--drafter", default="auto",
                     help="auto | none | prompt-lookup | PATH (default auto: the bundled drafter of the target, "
@@ -533,9 +534,9 @@ def cmd_bench_serve(args) -> int:
     target = load_target(args.model, dtype=parse_dtype(args.dtype))
     sps_max = args.sps_max_tokens or min(256, max(levels) * 9)
     sps, _, _ = load_or_measure(target, max_tokens=sps_max)
-    result = bench_serve(target, args.drafter, policies, levels, prompts, args.requests, args.max_new_tokens, sps,
-                         args.temperature)
     out = Path(args.out)
+    result = bench_serve(target, args.drafter, policies, levels, prompts, args.requests, args.max_new_tokens, sps,
+                         args.temperature, journal_path=out / "journal.jsonl")
     write_bench_report(result, out, "dspark " + " ".join(sys.argv[1:]))
     print((out / "serve.md").read_text())
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from dspark.draft.base import Drafter
@@ -30,6 +31,19 @@ def resolve_drafter_spec(spec: str | None, target) -> str | None:
         return spec
     path = bundled_drafter(target)
     return str(path) if path else "prompt-lookup"
+
+
+def drafter_digest(spec: str) -> str:
+    """A drafter's identity for resumable runs: a checkpoint's config (calibration included) and
+    weights, or the name of a model-free drafter."""
+    path = Path(spec)
+    if not path.is_dir():
+        return spec
+    h = hashlib.sha256()
+    for f in sorted(path.glob("*.json")) + sorted(path.glob("*.safetensors")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def load_drafter(

@@ -13,10 +13,10 @@ from tqdm import tqdm
 
 from dspark.decode.generate import Decoder, RoundRecord
 from dspark.decode.sampling import SamplingParams
-from dspark.draft.registry import load_drafter, resolve_drafter_spec
+from dspark.draft.registry import drafter_digest, load_drafter, resolve_drafter_spec
 from dspark.errors import DsparkError
+from dspark.journal import Journal
 from dspark.eval import metrics
-from dspark.eval.journal import EvalJournal
 from dspark.train.data import read_jsonl
 
 DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[3] / "data" / "eval"
@@ -105,8 +105,8 @@ def evaluate(
     settings = {"target": str(target.path), "dtype": str(target.model.dtype), "max_new_tokens": max_new_tokens,
                 "temperatures": temperatures, "seed": seed, "confidence_threshold": confidence_threshold,
                 "datasets": {ds: _digest(json.dumps(p).encode()) for ds, p in prompt_sets.items()},
-                "drafters": {spec: _checkpoint_digest(spec) for spec in drafter_specs}}
-    journal = EvalJournal(journal_path, settings) if journal_path else None
+                "drafters": {spec: drafter_digest(spec) for spec in drafter_specs}}
+    journal = Journal(journal_path, settings) if journal_path else None
     done = journal.done if journal else {}
     total = len(temperatures) * sum(len(p) for p in prompt_sets.values()) * len(engines)
     acc: dict[tuple[str, str, float], RunAccumulator] = {}
@@ -146,18 +146,6 @@ def evaluate(
 
 def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
-
-
-def _checkpoint_digest(spec: str) -> str:
-    """A drafter checkpoint's identity: its config (calibration included) and weights."""
-    path = Path(spec)
-    if not path.is_dir():
-        return spec
-    h = hashlib.sha256()
-    for f in sorted(path.glob("*.json")) + sorted(path.glob("*.safetensors")):
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()[:16]
 
 
 def _positions(drafter, rounds) -> int:

@@ -7,6 +7,7 @@ in the same process (policies interleaved per level so machine drift hits all al
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import time
@@ -15,6 +16,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dspark.decode.sampling import SamplingParams
+from dspark.draft.registry import drafter_digest, resolve_drafter_spec
+from dspark.journal import Journal
 from dspark.serve.engine import Engine, Request
 from dspark.serve.scheduler import parse_policy
 
@@ -41,15 +44,28 @@ def engine_factory(target, drafter_spec: str | None):
 
 
 def bench_serve(target, drafter_spec, policies: list[str], levels: list[int], prompts: list[str], requests_per_level: int,
-                max_new_tokens: int, sps, temperature: float = 0.0, progress: bool = True) -> dict:
+                max_new_tokens: int, sps, temperature: float = 0.0, progress: bool = True,
+                journal_path: Path | None = None) -> dict:
+    """Every (concurrency, policy) cell in turn. With `journal_path`, finished cells are kept there
+    and a rerun with the same settings measures only the missing ones."""
+    drafter_spec = resolve_drafter_spec(drafter_spec, target)
     make, label = engine_factory(target, drafter_spec)
     encoded = [target.encode_prompt(p) for p in prompts]
+    settings = {"target": str(target.path), "dtype": str(target.model.dtype), "drafter": drafter_digest(str(drafter_spec)),
+                "requests": requests_per_level, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                "prompts": hashlib.sha256(json.dumps(encoded).encode()).hexdigest()[:16],
+                "sps": list(sps.values) if sps else None}
+    journal = Journal(journal_path, settings) if journal_path else None
     rows = []
     total = len(levels) * len(policies)
     bar = tqdm(total=total, desc="bench serve", unit="run", disable=not progress)
     for c in levels:
         n = max(requests_per_level, c)
         for spec in policies:
+            if journal and (c, spec) in journal.done:
+                rows.append(journal.done[(c, spec)])
+                bar.update(1)
+                continue
             engine = make(parse_policy(spec, sps), c)
             reqs = [Request(encoded[i % len(encoded)], max_new_tokens, SamplingParams(temperature), seed=i)
                     for i in range(n)]
@@ -68,6 +84,8 @@ def bench_serve(target, drafter_spec, policies: list[str], levels: list[int], pr
                 "tau": sum(x.accepted + 1 for x in rounds) / len(rounds) if rounds else 0.0,
                 "engine_steps": engine.steps,
             })
+            if journal:
+                journal.add((c, spec), rows[-1])
             bar.update(1)
     bar.close()
     return {"drafter": label, "policies": policies, "concurrency": levels, "max_new_tokens": max_new_tokens,

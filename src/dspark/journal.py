@@ -1,7 +1,9 @@
-"""Append-only journal of finished generations, so a long `dspark eval` resumes after a kill.
+"""Append-only journal of finished work items, so a long run (`dspark eval`, `dspark bench serve`)
+resumes after a kill.
 
-The first line holds the settings; every later line is one (temperature, dataset, prompt, engine)
-generation. Reopening with other settings is an error; a line cut short by a kill is dropped."""
+The first line holds the run's settings; every later line is one finished item under its key (a
+tuple of JSON scalars). Reopening with other settings is an error; a line cut short by a kill is
+dropped."""
 
 from __future__ import annotations
 
@@ -11,13 +13,14 @@ from pathlib import Path
 
 from dspark.errors import DsparkError
 
-Key = tuple[float, str, int, str]  # temperature, dataset, prompt index, engine
+Key = tuple  # of JSON scalars
 
 
-class EvalJournal:
+class Journal:
     def __init__(self, path: Path, settings: dict):
         self.path = Path(path)
-        self.done: dict[Key, dict] = {}
+        self.done: dict[Key, object] = {}
+        settings = json.loads(json.dumps(settings))  # as it reads back (tuples become lists)
         if self.path.exists():
             self._load(settings)
         else:
@@ -33,20 +36,22 @@ class EvalJournal:
                 obj = json.loads(line) if complete else None
             except json.JSONDecodeError:
                 obj = None
+            if not isinstance(obj, dict) or ("settings" if i == 0 else "key") not in obj:
+                obj = None
             if obj is None:
                 if complete:
-                    raise DsparkError(f"{self.path}:{i + 1}: not valid JSON; delete the file to start the evaluation over")
+                    raise DsparkError(f"{self.path}:{i + 1}: not a journal record; delete the file to start the run over")
                 break  # a kill cut the last line short
             if i == 0:
                 if obj.get("settings") != settings:
                     raise DsparkError(
-                        f"{self.path} belongs to an evaluation with other settings ({_diff(obj.get('settings'), settings)}); "
+                        f"{self.path} belongs to a run with other settings ({_diff(obj.get('settings'), settings)}); "
                         "use another --out, or delete the file to start over")
             else:
-                self.done[(obj["temperature"], obj["dataset"], obj["index"], obj["engine"])] = obj
+                self.done[tuple(obj["key"])] = obj["value"]
             keep += len(line) + 1
         if keep == 0:
-            raise DsparkError(f"{self.path} has no settings line; delete it to start the evaluation over")
+            raise DsparkError(f"{self.path} has no settings line; delete it to start the run over")
         with open(self.path, "r+b") as f:
             f.truncate(keep)
 
@@ -56,12 +61,9 @@ class EvalJournal:
             f.flush()
             os.fsync(f.fileno())
 
-    def add(self, key: Key, record: dict) -> dict:
-        temperature, dataset, index, engine = key
-        record = {"temperature": temperature, "dataset": dataset, "index": index, "engine": engine, **record}
-        self._append(record)
-        self.done[key] = record
-        return record
+    def add(self, key: Key, value) -> None:
+        self._append({"key": list(key), "value": value})
+        self.done[tuple(key)] = value
 
 
 def _diff(old, new: dict) -> str:
