@@ -75,7 +75,7 @@ def acceptance_sums(
     draft/target logits [N, γ, V], mask [N, γ] -> two [γ] tensors."""
     p_d = F.softmax(draft_logits.float(), dim=-1)
     p_t = F.softmax(target_logits.float(), dim=-1)
-    alpha = 1 - 0.5 * (p_d - p_t).abs().sum(-1)
+    alpha = (1 - 0.5 * (p_d - p_t).abs().sum(-1)).clamp(0, 1)  # clamp: rounding of the L1 sum
     m = mask.float()
     return (alpha * m).sum(0), m.sum(0)
 
