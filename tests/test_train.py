@@ -190,3 +190,29 @@ def test_shipped_configs_parse():
     for path in configs:
         cfg = load_config(path)
         assert cfg.data and cfg.steps > 0
+
+
+def test_group_by_length_batches_similar_lengths_and_still_visits_every_sample_once(tiny_run, tmp_path):
+    _, data, _ = tiny_run
+    lines = (data.read_text()).splitlines()
+    varied = tmp_path / "varied.jsonl"
+    with open(varied, "w") as f:
+        for i, line in enumerate(lines):
+            obj = json.loads(line)
+            obj["response_ids"] = obj["response_ids"][: 3 + (i * 7) % 40]
+            f.write(json.dumps(obj) + "\n")
+
+    def spread(trainer, epoch):
+        perm = trainer._perm(epoch).tolist()
+        assert sorted(perm) == list(range(len(trainer.train_set)))  # a permutation: each sample once
+        lengths = [len(trainer.train_set[i].response_ids) for i in perm]
+        return sum(max(lengths[i : i + 4]) - min(lengths[i : i + 4]) for i in range(0, len(perm), 4)), perm
+
+    grouped = Trainer(_cfg(tiny_run, tmp_path / "g", data=str(varied)), progress=False)
+    plain = Trainer(_cfg(tiny_run, tmp_path / "p", data=str(varied), group_by_length=False), progress=False)
+    for epoch in (0, 1):
+        (g_spread, g_perm), (p_spread, p_perm) = spread(grouped, epoch), spread(plain, epoch)
+        assert g_spread < p_spread / 3, (g_spread, p_spread)
+        assert g_perm != p_perm
+    again = Trainer(_cfg(tiny_run, tmp_path / "g2", data=str(varied)), progress=False)
+    assert again._perm(1).tolist() == grouped._perm(1).tolist()  # a function of (seed, epoch): resumable

@@ -37,6 +37,7 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per step on each rank
     anchors_per_seq: int = 16
     max_seq_len: int = 512
+    group_by_length: bool = True  # batch sequences of similar length (less padding, same epochs)
     lr: float = 6e-4
     warmup_frac: float = 0.04
     weight_decay: float = 0.0

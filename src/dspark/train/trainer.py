@@ -39,6 +39,7 @@ from dspark.train.losses import acceptance_sums, expected_tau, kd_loss_sums, pos
 
 # Options a resumed run may change; anything else must match the checkpoint.
 RESUMABLE_CHANGES = {"steps", "checkpoint_every", "eval_every", "threads", "out"}
+GROUP_STEPS = 16  # group_by_length sorts this many steps' sequences at a time
 
 
 def _seeded(*parts) -> torch.Generator:
@@ -165,9 +166,24 @@ class Trainer:
 
     def _perm(self, epoch: int) -> torch.Tensor:
         if self._perm_epoch != epoch:
-            self._perm_cache = torch.randperm(len(self.train_set), generator=_seeded(self.cfg.seed, "epoch", epoch))
-            self._perm_epoch = epoch
+            gen = _seeded(self.cfg.seed, "epoch", epoch)
+            perm = torch.randperm(len(self.train_set), generator=gen)
+            if self.cfg.group_by_length:
+                perm = self._group_by_length(perm, gen)
+            self._perm_cache, self._perm_epoch = perm, epoch
         return self._perm_cache
+
+    def _group_by_length(self, perm: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """Within mega-batches of GROUP_STEPS steps, batch sequences of similar length together (less
+        padding in the target's forward), then shuffle the batches."""
+        B, c = self.cfg.batch_size, self.cfg.max_seq_len
+        length = lambda i: min(len(self.train_set[i].prompt_ids) + len(self.train_set[i].response_ids), c)  # noqa: E731
+        out = []
+        for start in range(0, len(perm), B * GROUP_STEPS):
+            chunk = sorted(perm[start : start + B * GROUP_STEPS].tolist(), key=length, reverse=True)
+            batches = [chunk[i : i + B] for i in range(0, len(chunk), B)]
+            out += [x for k in torch.randperm(len(batches), generator=gen).tolist() for x in batches[k]]
+        return torch.tensor(out)
 
     def _slot_weights(self, items) -> float:
         """Σ w_k over supervised slots of a list of (sample, anchors)."""
