@@ -144,6 +144,9 @@ def test_cli_draft_init_writes_a_loadable_drafter(tiny_targets, tiny, tmp_path):
     drafter = load_drafter_checkpoint(tmp_path / "d", tiny[name])
     assert drafter.cfg.markov_rank == 12 and drafter.cfg.enable_confidence_head
     assert "layers.1.self_attn.q_proj.bias" in drafter.model.state_dict()
+    target_norm = tiny[name].model.norm
+    assert not torch.equal(target_norm, torch.ones_like(target_norm))
+    assert torch.equal(drafter.model.norm.weight, target_norm)  # starts from the target's final norm gains
     r = _dspark("draft", "init", "--model", str(path), "--out", str(tmp_path / "e"), "--head", "none")
     assert r.returncode == 0, r.stderr
     cfg = json.loads((tmp_path / "e" / "config.json").read_text())

@@ -271,7 +271,7 @@ def _tap_layers(text: str | None) -> list[int] | None:
 def cmd_draft_init(args) -> int:
     import torch
 
-    from dspark.draft.checkpoint import new_draft_config, save_drafter
+    from dspark.draft.checkpoint import init_from_target, new_draft_config, save_drafter
     from dspark.draft.dspark import DSparkModel
     from dspark.target.loading import load_target, parse_dtype
 
@@ -292,6 +292,7 @@ def cmd_draft_init(args) -> int:
     )
     torch.manual_seed(args.seed)
     model = DSparkModel(cfg)
+    init_from_target(model, target)
     out = save_drafter(model, args.out, target=target, dtype=dtype)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"wrote {out}: {cfg.to_dict()['architectures'][0]}, head {head}, block {cfg.block_size}, "

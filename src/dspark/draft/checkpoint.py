@@ -144,6 +144,14 @@ def new_model(cfg: DraftConfig):
     return DSparkModel(cfg)
 
 
+def init_from_target(model, target) -> None:
+    """Start a new drafter's final norm from the target's. The shared LM head reads hidden states
+    scaled by those per-channel gains (SmolLM2's span -2.1 to 3.3); from ones, Adam would need
+    thousands of steps to learn them."""
+    with torch.no_grad():
+        model.norm.weight.copy_(target.model.norm.to(model.norm.weight.dtype))
+
+
 def wrap_drafter(model, target, num_draft_tokens: int | None = None):
     """The inference-side Drafter for a drafter model."""
     if model.cfg.kind == "eagle3":

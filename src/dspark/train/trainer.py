@@ -26,7 +26,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from dspark.draft.checkpoint import load_model, new_draft_config, save_drafter
+from dspark.draft.checkpoint import init_from_target, load_model, new_draft_config, save_drafter
 from dspark.draft.dspark import DSparkModel
 from dspark.draft.eagle3 import Eagle3Model
 from dspark.errors import DsparkError
@@ -131,6 +131,7 @@ class Trainer:
             model = Eagle3Model(new_draft_config(
                 self.target, kind="eagle3", block_size=c.block_size, target_layer_ids=c.tap_layers or None,
                 mask_token_id=None if c.mask_token_id < 0 else c.mask_token_id, num_anchors=c.anchors_per_seq))
+            init_from_target(model, self.target)
         if eagle:
             model.ttt_steps = c.ttt_steps
         if c.init or eagle:
@@ -148,7 +149,9 @@ class Trainer:
             num_anchors=c.anchors_per_seq,
         )
         torch.manual_seed(c.seed)
-        return DSparkModel(cfg).train()
+        model = DSparkModel(cfg)
+        init_from_target(model, self.target)
+        return model.train()
 
     # ---- data ----------------------------------------------------------------------------
     def global_batch(self, step: int) -> list[tuple[Sample, list[int]]]:
