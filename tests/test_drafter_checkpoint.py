@@ -147,6 +147,10 @@ def test_cli_draft_init_writes_a_loadable_drafter(tiny_targets, tiny, tmp_path):
     target_norm = tiny[name].model.norm
     assert not torch.equal(target_norm, torch.ones_like(target_norm))
     assert torch.equal(drafter.model.norm.weight, target_norm)  # starts from the target's final norm gains
+    source = load_file(str(path / "model.safetensors"))  # layers: copies of the target's last two
+    for i, layer in enumerate(drafter.model.layers):
+        for name, p in layer.named_parameters():
+            assert torch.equal(p, source[f"model.layers.{2 + i}.{name}"]), name
     r = _dspark("draft", "init", "--model", str(path), "--out", str(tmp_path / "e"), "--head", "none")
     assert r.returncode == 0, r.stderr
     cfg = json.loads((tmp_path / "e" / "config.json").read_text())

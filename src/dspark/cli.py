@@ -73,10 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     dsub.required = True
     init = dsub.add_parser(
         "init",
-        help="write a randomly initialised drafter for a target",
-        description="Write a randomly initialised drafter (config.json + model.safetensors) shaped for "
-        "a target: the starting point for `dspark train`. The target's embedding and LM head are "
-        "shared, not copied.",
+        help="write a freshly initialised drafter for a target",
+        description="Write a freshly initialised drafter (config.json + model.safetensors) shaped for "
+        "a target: the starting point for `dspark train`. Its final norm starts from the target's and "
+        "its layers as copies of the target's last layers (--random-layers: random); the heads and the "
+        "context projection are random. The target's embedding and LM head are shared, not copied.",
     )
     init.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
     init.add_argument("--out", required=True, help="output checkpoint directory")
@@ -92,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--confidence-head", action=argparse.BooleanOptionalAction, default=None,
                       help="add a confidence head (default: yes, except with --head none)")
     init.add_argument("--dtype", default="float32", help="weights dtype on disk: float32 | bfloat16 (default float32)")
+    init.add_argument("--random-layers", action="store_true",
+                      help="random draft layers instead of copies of the target's last layers")
     init.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
     init.set_defaults(func=cmd_draft_init)
     exp = dsub.add_parser(
@@ -292,7 +295,7 @@ def cmd_draft_init(args) -> int:
     )
     torch.manual_seed(args.seed)
     model = DSparkModel(cfg)
-    init_from_target(model, target)
+    init_from_target(model, target, copy_layers=not args.random_layers)
     out = save_drafter(model, args.out, target=target, dtype=dtype)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"wrote {out}: {cfg.to_dict()['architectures'][0]}, head {head}, block {cfg.block_size}, "

@@ -144,12 +144,27 @@ def new_model(cfg: DraftConfig):
     return DSparkModel(cfg)
 
 
-def init_from_target(model, target) -> None:
-    """Start a new drafter's final norm from the target's. The shared LM head reads hidden states
-    scaled by those per-channel gains (SmolLM2's span -2.1 to 3.3); from ones, Adam would need
-    thousands of steps to learn them."""
+def init_from_target(model, target, copy_layers: bool = True) -> None:
+    """Start a new drafter from the target's weights where the shapes are the target's own.
+
+    The final norm takes the target's gains: the shared LM head reads hidden states through them
+    (SmolLM2's span -2.1 to 3.3), and from ones Adam would need thousands of steps to learn them.
+    With `copy_layers`, the n draft layers start as copies of the target's last n layers (every
+    tensor of the same name and shape: all of a DSpark layer; EAGLE-3's, whose q/k/v read twice
+    the width, keep their random q/k/v), so training starts from trained maps rather than noise."""
     with torch.no_grad():
         model.norm.weight.copy_(target.model.norm.to(model.norm.weight.dtype))
+        if not copy_layers:
+            return
+        from dspark.target.loading import read_state_dict
+
+        source = read_state_dict(target.path)
+        first = target.cfg.num_hidden_layers - len(model.layers)
+        for i, layer in enumerate(model.layers):
+            for name, p in layer.named_parameters():
+                w = source.get(f"model.layers.{first + i}.{name}")
+                if w is not None and w.shape == p.shape:
+                    p.copy_(w.to(p.dtype))
 
 
 def wrap_drafter(model, target, num_draft_tokens: int | None = None):

@@ -131,7 +131,7 @@ class Trainer:
             model = Eagle3Model(new_draft_config(
                 self.target, kind="eagle3", block_size=c.block_size, target_layer_ids=c.tap_layers or None,
                 mask_token_id=None if c.mask_token_id < 0 else c.mask_token_id, num_anchors=c.anchors_per_seq))
-            init_from_target(model, self.target)
+            init_from_target(model, self.target, c.copy_target_layers)
         if eagle:
             model.ttt_steps = c.ttt_steps
         if c.init or eagle:
@@ -150,7 +150,7 @@ class Trainer:
         )
         torch.manual_seed(c.seed)
         model = DSparkModel(cfg)
-        init_from_target(model, self.target)
+        init_from_target(model, self.target, c.copy_target_layers)
         return model.train()
 
     # ---- data ----------------------------------------------------------------------------
