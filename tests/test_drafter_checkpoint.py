@@ -138,7 +138,7 @@ def _dspark(*args):
 def test_cli_draft_init_writes_a_loadable_drafter(tiny_targets, tiny, tmp_path):
     name, path = tiny_targets[2]  # qwen2: attention biases in the draft layers too
     r = _dspark("draft", "init", "--model", str(path), "--out", str(tmp_path / "d"), "--head", "rnn",
-                "--block-size", "5", "--layers", "2", "--tap-layers", "0,2", "--markov-rank", "12")
+                "--block-size", "5", "--layers", "2", "--tap-layers", "0,2", "--markov-rank", "12", "--copy-target-layers")
     assert r.returncode == 0, r.stderr
     assert "head rnn, block 5, 2 layer(s), taps [0, 2]" in r.stdout
     drafter = load_drafter_checkpoint(tmp_path / "d", tiny[name])

@@ -75,9 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
         "init",
         help="write a freshly initialised drafter for a target",
         description="Write a freshly initialised drafter (config.json + model.safetensors) shaped for "
-        "a target: the starting point for `dspark train`. Its final norm starts from the target's and "
-        "its layers as copies of the target's last layers (--random-layers: random); the heads and the "
-        "context projection are random. The target's embedding and LM head are shared, not copied.",
+        "a target: the starting point for `dspark train`. Its final norm starts from the target's, the rest "
+        "is random (--copy-target-layers: the draft layers start as copies of the target's last layers). "
+        "The target's embedding and LM head are shared, not copied.",
     )
     init.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
     init.add_argument("--out", required=True, help="output checkpoint directory")
@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--confidence-head", action=argparse.BooleanOptionalAction, default=None,
                       help="add a confidence head (default: yes, except with --head none)")
     init.add_argument("--dtype", default="float32", help="weights dtype on disk: float32 | bfloat16 (default float32)")
-    init.add_argument("--random-layers", action="store_true",
-                      help="random draft layers instead of copies of the target's last layers")
+    init.add_argument("--copy-target-layers", action="store_true",
+                      help="start the draft layers as copies of the target's last layers instead of random")
     init.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
     init.set_defaults(func=cmd_draft_init)
     exp = dsub.add_parser(
@@ -295,7 +295,7 @@ def cmd_draft_init(args) -> int:
     )
     torch.manual_seed(args.seed)
     model = DSparkModel(cfg)
-    init_from_target(model, target, copy_layers=not args.random_layers)
+    init_from_target(model, target, copy_layers=args.copy_target_layers)
     out = save_drafter(model, args.out, target=target, dtype=dtype)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"wrote {out}: {cfg.to_dict()['architectures'][0]}, head {head}, block {cfg.block_size}, "

@@ -144,7 +144,7 @@ def new_model(cfg: DraftConfig):
     return DSparkModel(cfg)
 
 
-def init_from_target(model, target, copy_layers: bool = True) -> None:
+def init_from_target(model, target, copy_layers: bool = False) -> None:
     """Start a new drafter from the target's weights where the shapes are the target's own.
 
     The final norm takes the target's gains: the shared LM head reads hidden states through them

@@ -31,7 +31,7 @@ class TrainConfig:
     confidence_head: bool = True
     tap_layers: list[int] = dataclasses.field(default_factory=list)  # [] = 5 spread over the depth
     mask_token_id: int = -1  # -1 = automatic
-    copy_target_layers: bool = True  # start the draft layers as copies of the target's last layers
+    copy_target_layers: bool = False  # start the draft layers as copies of the target's last layers
     # optimisation
     steps: int = 1000
     batch_size: int = 4  # sequences per optimiser step, summed over all ranks
