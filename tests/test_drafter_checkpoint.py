@@ -82,6 +82,22 @@ def test_export_writes_the_shared_tensors_and_still_loads(tiny, tmp_path):
     assert all(torch.equal(v, drafter.model.state_dict()[k]) for k, v in loaded.state_dict().items())
 
 
+def test_convert_to_bf16_keeps_config_and_calibration(tiny, tiny_targets, tmp_path):
+    target = tiny["llama-untied"]
+    drafter = make_random_dspark(target, "gated", block_size=4)
+    save_drafter(drafter.model, tmp_path / "d", target=target, extra={"confidence_temperatures": [1.5, 1, 1, 2]})
+    r = _dspark("draft", "convert", "--drafter", str(tmp_path / "d"), "--out", str(tmp_path / "b"), "--dtype",
+                "bfloat16", "--model", str(dict(tiny_targets)["llama-untied"]))
+    assert r.returncode == 0, r.stderr
+    tensors = load_file(tmp_path / "b" / "model.safetensors")
+    assert all(v.dtype == torch.bfloat16 for v in tensors.values())
+    want = drafter.model.state_dict()
+    assert all(torch.equal(v, want[k].to(torch.bfloat16)) for k, v in tensors.items())
+    assert load_drafter_checkpoint(tmp_path / "b", target).temperatures == [1.5, 1, 1, 2]
+    r = _dspark("draft", "convert", "--drafter", str(tmp_path / "d"), "--out", str(tmp_path / "c"), "--dtype", "int8")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
 def test_loading_against_another_target_fails_clearly(tiny, tmp_path):
     target = tiny["llama-untied"]
     save_drafter(make_random_dspark(target, "vanilla", block_size=4).model, tmp_path / "d", target=target)

@@ -107,6 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", required=True, help="output directory")
     exp.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
     exp.set_defaults(func=cmd_draft_export)
+    conv = dsub.add_parser(
+        "convert",
+        help="copy a drafter with its weights in another dtype",
+        description="Copy a drafter checkpoint with its weights stored in --dtype (bfloat16 halves the size); "
+        "config and calibration temperatures are kept. Loading casts to the target's dtype either way.",
+    )
+    conv.add_argument("--drafter", required=True, help="drafter checkpoint directory")
+    conv.add_argument("--out", required=True, help="output directory")
+    conv.add_argument("--dtype", required=True, choices=["float32", "bfloat16"], help="weights dtype on disk")
+    conv.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
+    conv.set_defaults(func=cmd_draft_convert)
 
     data = sub.add_parser("data", help="prepare training data", description="Prepare training data.")
     dat = data.add_subparsers(dest="data_command", metavar="ACTION", parser_class=_Parser)
@@ -313,6 +324,18 @@ def cmd_draft_export(args) -> int:
     target = load_target(args.model, dtype=torch.float32, pack=False, require_tokenizer=False)
     out = export_drafter(args.drafter, target, args.out)
     print(f"wrote {out} (with embed_tokens.weight and lm_head.weight)")
+    return 0
+
+
+def cmd_draft_convert(args) -> int:
+    import torch
+
+    from dspark.draft.checkpoint import convert_drafter
+    from dspark.target.loading import load_target, parse_dtype
+
+    target = load_target(args.model, dtype=torch.float32, pack=False, require_tokenizer=False)
+    out = convert_drafter(args.drafter, target, args.out, parse_dtype(args.dtype))
+    print(f"wrote {out} ({args.dtype})")
     return 0
 
 

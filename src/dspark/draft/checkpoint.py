@@ -243,6 +243,16 @@ def write_temperatures(path: str | Path, temperatures: list[float]) -> None:
     os.replace(tmp, path / "config.json")
 
 
+def convert_drafter(path: str | Path, target, out: str | Path, dtype: torch.dtype) -> Path:
+    """Copy a checkpoint to `out` with its weights in `dtype` (config and calibration kept)."""
+    path = Path(path).expanduser()
+    load_model(path, target)  # validates
+    raw = dict(read_config(path), torch_dtype=str(dtype).removeprefix("torch."))
+    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(path / WEIGHTS).items()}
+    _write_dir(Path(out), raw, tensors)
+    return Path(out)
+
+
 def export_drafter(path: str | Path, target, out: str | Path) -> Path:
     """Copy a checkpoint to `out`, adding the target's embedding and LM head (for DeepSpec-style tools)."""
     path = Path(path).expanduser()
