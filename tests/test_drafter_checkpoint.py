@@ -194,3 +194,21 @@ def test_auto_picks_the_bundled_drafter_of_the_target_else_prompt_lookup(tiny, t
     other = load_target(make_tiny_hf_model("qwen3", tmp_path / "other-qwen3", tie=True, seed=1), dtype=torch.float32,
                         require_tokenizer=False)
     assert registry.bundled_drafter(other) is None
+
+
+def test_verification_rule_suffix(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
+    target = tiny["llama-tied"]
+    save_drafter(make_random_dspark(target, "vanilla", block_size=4).model, tmp_path / "d", target=target)
+    save_drafter(make_random_dspark(target, "none", block_size=4, confidence=False).model, tmp_path / "bare", target=target)
+    d = tmp_path / "d"
+    assert load_drafter(str(d), target).sps is None
+    hw = load_drafter(f"{d}@dspark", target)
+    assert hw.sps is not None and hw.sps.max_tokens == 5 and hw.confidence_threshold is None
+    assert load_drafter(f"{d}@threshold:0.4", target).confidence_threshold == 0.4
+    for spec, message in [(f"{d}@warp", "unknown verification rule"), (f"{d}@threshold:x", "needs a number"),
+                          (f"{tmp_path / 'bare'}@dspark", "no confidence head")]:
+        with pytest.raises(DsparkError, match=message):
+            load_drafter(spec, target)
+    with pytest.raises(DsparkError, match="exclude each other"):
+        load_drafter(f"{d}@dspark", target, confidence_threshold=0.5)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dspark.decode.generate import Decoder, RoundRecord
+from dspark.decode.sampling import SamplingParams
 from dspark.draft.checkpoint import save_drafter
 from dspark.eval import metrics
 from dspark.eval.calibration import fit_sts
@@ -129,6 +130,29 @@ def test_static_confidence_threshold_is_lossless_and_truncates(tiny_targets):
         drafted += [r.drafted for r in got.rounds]
         for r in got.rounds:  # every verified draft had prefix survival >= C
             assert all(a >= 0.3 for a in metrics.prefix_survival(r.confidence_logits or []))
+    assert min(drafted) < 6 and max(drafted) > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_hardware_aware_rule_is_lossless_and_stops_where_throughput_stops_rising(tiny_targets, temperature):
+    """PATH@dspark for one request: verify d_k only while (1 + Σ a) · SPS(1 + ℓ) still rises."""
+    from dspark.serve.scheduler import SPSTable, dspark_lengths
+
+    target = load_target(tiny_targets[0][1], dtype=torch.float32, require_tokenizer=False)
+    sps = SPSTable((50.0, 45.0, 44.0, 30.0, 29.0, 28.0, 20.0))  # jagged: cliffs after 1 and 3 drafts
+    params = SamplingParams(temperature=temperature)
+    ar, drafted = Decoder(target), []
+    for seed in range(3):
+        drafter = make_random_dspark(target, "gated", block_size=6, std=0.3)
+        drafter.sps = sps
+        prompt = torch.randint(3, 128, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
+        got = Decoder(target, drafter).generate(prompt, 40, params, seed=seed)
+        if temperature == 0:
+            assert got.token_ids == ar.generate(prompt, 40).token_ids
+        for r in got.rounds:
+            full = dspark_lengths([metrics.prefix_survival(r.confidence_logits)], sps)[0] if r.drafted else 0
+            assert r.drafted == full  # the rule's own choice (recorded logits are the verified prefix)
+            drafted.append(r.drafted)
     assert min(drafted) < 6 and max(drafted) > 0
 
 

@@ -58,8 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="float32 | bfloat16 | auto (default: bf16 on CPUs with native bf16 matrix units, else fp32)",
     )
     g.add_argument("--drafter", default="auto",
-                   help="auto | none | prompt-lookup | PATH to a drafter checkpoint (default auto: the DSpark "
-                   "drafter dspark ships for the target, i.e. for the embedded SmolLM2, else prompt-lookup)")
+                   help="auto | none | prompt-lookup | PATH[@RULE] to a drafter checkpoint; RULE = full (verify "
+                   "every draft, default) | dspark (stop where one more draft no longer raises expected tokens/s "
+                   "of the profiled target) | threshold:C. Default auto: the DSpark drafter dspark ships for the "
+                   "target (the embedded SmolLM2) with @dspark, else prompt-lookup")
     g.add_argument("--num-draft-tokens", type=_positive_int, default=None, help="max draft tokens per round")
     g.add_argument("--confidence-threshold", type=float, default=None, metavar="C",
                    help="verify drafts only while their calibrated prefix survival >= C (drafters with a confidence head)")
@@ -357,7 +359,7 @@ def cmd_generate(args) -> int:
         torch.set_num_threads(args.threads)
 
     target = load_target(args.model, dtype=dtype)
-    drafter_spec = resolve_drafter_spec(args.drafter, target)
+    drafter_spec = resolve_drafter_spec(args.drafter, target, "full" if args.confidence_threshold is not None else "dspark")
     drafter = load_drafter(drafter_spec, target, args.num_draft_tokens, args.confidence_threshold)
     prompt_ids = target.encode_prompt(args.prompt, chat=not args.raw)
     decoder = Decoder(target, drafter)

@@ -22,6 +22,7 @@ from dspark.decode.sampling import SamplingParams
 from dspark.draft.base import DraftBlock, Drafter, token_picker
 from dspark.draft.config import DraftConfig
 from dspark.draft.heads import ConfidenceHead, SequentialHead, prefix_survival
+from dspark.serve.scheduler import SPSTable, dspark_lengths
 from dspark.target.config import TargetConfig
 from dspark.target.model import apply_rope, rms_norm
 
@@ -255,6 +256,7 @@ class DSparkDrafter(ModelDrafter):
         self._w2t: torch.Tensor | None = None
         self.temperatures: list[float] | None = None  # STS calibration (DESIGN.md §6)
         self.confidence_threshold: float | None = None  # static-threshold verification
+        self.sps: SPSTable | None = None  # hardware-aware verification (Algorithm 1 for one request)
         self.begin([])
 
     def begin(self, prompt_ids: list[int]) -> None:
@@ -326,11 +328,16 @@ class DSparkDrafter(ModelDrafter):
         pick, probs = token_picker(params, generator)
         tokens, _, conf = self.run_heads(h, base, anchor, pick)
         p_d = torch.cat(probs) if probs else None
-        if conf is not None and self.confidence_threshold is not None:
-            # verify while the calibrated prefix survival a_k stays >= C; a_k depends on d_0..d_{k-1}
-            # only (never on d_k), so this stopping rule keeps verification lossless
+        if conf is not None and (self.confidence_threshold is not None or self.sps is not None):
+            # a_k (calibrated prefix survival) depends on d_0..d_{k-1} only, never on d_k; both rules
+            # decide on d_k from a_k after deciding on d_{k-1} (stopping rules), which keeps
+            # verification lossless: verify while a_k >= C, or while adding d_k raises the
+            # expected tokens per second (1 + Σ a) · SPS(1 + ℓ) of the verify forward
             a = prefix_survival(conf.float().tolist(), self.temperatures)
-            keep = next((k for k, v in enumerate(a) if v < self.confidence_threshold), len(a))
+            if self.sps is not None:
+                keep = dspark_lengths([a], self.sps)[0]
+            else:
+                keep = next((k for k, v in enumerate(a) if v < self.confidence_threshold), len(a))
             tokens, conf = tokens[:keep], conf[:keep]
             p_d = p_d[:keep] if p_d is not None else None
         return DraftBlock(tokens, p_d, None if conf is None else conf.float())

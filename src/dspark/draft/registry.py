@@ -9,7 +9,8 @@ from dspark.draft.base import Drafter
 from dspark.draft.prompt_lookup import PromptLookupDrafter
 from dspark.errors import DsparkError
 
-DRAFTER_CHOICES = "auto | none | prompt-lookup | PATH to a drafter checkpoint directory"
+DRAFTER_CHOICES = "auto | none | prompt-lookup | PATH to a drafter checkpoint directory, optionally PATH@RULE"
+VERIFY_RULES = "full | dspark | threshold:C"  # how many of a confidence-head drafter's drafts to verify
 BUNDLED_DIR = Path(__file__).resolve().parents[1] / "drafters"  # trained drafters shipped with dspark
 
 
@@ -25,25 +26,41 @@ def bundled_drafter(target) -> Path | None:
     return None
 
 
-def resolve_drafter_spec(spec: str | None, target) -> str | None:
-    """`auto` becomes the bundled drafter of `target`, or prompt-lookup when dspark ships none."""
+def resolve_drafter_spec(spec: str | None, target, rule: str = "dspark") -> str | None:
+    """`auto` becomes the bundled drafter of `target` with verification rule `rule` (default: the
+    hardware-aware one, `PATH@dspark`), or prompt-lookup when dspark ships none."""
     if spec != "auto":
         return spec
     path = bundled_drafter(target)
-    return str(path) if path else "prompt-lookup"
+    return f"{path}@{rule}" if path else "prompt-lookup"
+
+
+def split_spec(spec: str) -> tuple[str, str]:
+    """`PATH@RULE` -> (PATH, RULE); RULE is full (verify every draft, the default), dspark (stop
+    where one more draft no longer raises expected tokens per second of the profiled target) or
+    threshold:C (verify while the calibrated prefix survival >= C)."""
+    base, sep, rule = spec.rpartition("@")
+    if not sep or Path(spec).exists():
+        return spec, "full"
+    name, _, arg = rule.partition(":")
+    ok = (name in ("full", "dspark") and not arg) or name == "threshold"
+    if not ok:
+        raise DsparkError(f"unknown verification rule {rule!r} in {spec!r}; choose {VERIFY_RULES}")
+    return base, rule
 
 
 def drafter_digest(spec: str) -> str:
     """A drafter's identity for resumable runs: a checkpoint's config (calibration included) and
-    weights, or the name of a model-free drafter."""
-    path = Path(spec)
+    weights with its verification rule, or the name of a model-free drafter."""
+    base, rule = split_spec(spec)
+    path = Path(base)
     if not path.is_dir():
         return spec
     h = hashlib.sha256()
     for f in sorted(path.glob("*.json")) + sorted(path.glob("*.safetensors")):
         h.update(f.name.encode())
         h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+    return f"{h.hexdigest()[:16]}@{rule}"
 
 
 def load_drafter(
@@ -56,9 +73,26 @@ def load_drafter(
         raise DsparkError("--confidence-threshold needs a drafter with a confidence head")
     if spec == "prompt-lookup":
         return PromptLookupDrafter(num_draft_tokens or 4)
-    path = Path(spec).expanduser()
+    base, rule = split_spec(spec)
+    path = Path(base).expanduser()
     if not path.exists():
         raise DsparkError(f"drafter {spec!r} is neither a known drafter ({DRAFTER_CHOICES}) nor an existing path")
+    if rule.startswith("threshold:"):
+        if confidence_threshold is not None:
+            raise DsparkError(f"{spec!r} already sets a threshold; drop --confidence-threshold")
+        try:
+            confidence_threshold = float(rule.partition(":")[2])
+        except ValueError:
+            raise DsparkError(f"threshold:C needs a number, got {rule!r}") from None
     from dspark.draft.checkpoint import load_drafter_checkpoint
 
-    return load_drafter_checkpoint(path, target, num_draft_tokens, confidence_threshold)
+    drafter = load_drafter_checkpoint(path, target, num_draft_tokens, confidence_threshold)
+    if rule == "dspark":
+        if not getattr(drafter.cfg, "enable_confidence_head", False):
+            raise DsparkError(f"{base} has no confidence head: the dspark verification rule needs one")
+        if confidence_threshold is not None:
+            raise DsparkError("the dspark verification rule and --confidence-threshold exclude each other")
+        from dspark.serve.sps import load_or_measure
+
+        drafter.sps = load_or_measure(target, max_tokens=drafter.block_size + 1, progress=False)[0]
+    return drafter

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from dspark.decode.generate import Decoder, RoundRecord
 from dspark.decode.sampling import SamplingParams
-from dspark.draft.registry import drafter_digest, load_drafter, resolve_drafter_spec
+from dspark.draft.registry import drafter_digest, load_drafter, resolve_drafter_spec, split_spec
 from dspark.errors import DsparkError
 from dspark.journal import Journal
 from dspark.eval import metrics
@@ -67,12 +67,15 @@ def generation_record(result) -> dict:
 
 
 def drafter_name(spec: str) -> str:
-    """Short display name: the checkpoint directory's name (its run's name for `.../final`)."""
-    path = Path(spec)
+    """Short display name: the checkpoint directory's name (its run's name for `.../final`), with
+    the verification rule when it is not `full`."""
+    base, rule = split_spec(spec)
+    path = Path(base)
     if not path.exists():
         return spec
     path = path.resolve()
-    return path.parent.name if path.name in ("final", "checkpoint", "drafter") else path.name
+    name = path.parent.name if path.name in ("final", "checkpoint", "drafter") else path.name
+    return name if rule == "full" else f"{name}@{rule}"
 
 
 def evaluate(
