@@ -112,4 +112,4 @@ def test_default_drafter_is_the_shipped_one_and_lossless():
     assert "drafters/smollm2-135m-instruct" in stats, stats
     assert outs[None].stdout == outs["none"].stdout
     tau = float(stats.split("tau ")[1].split(",")[0])
-    assert tau > 2.0, stats  # a trained drafter, not a random one
+    assert tau > 1.1, stats  # a trained drafter (a random one stays at ~1.0)
