@@ -112,6 +112,9 @@ def test_eval_journal_resumes_after_a_kill_and_refuses_other_settings(smollm2_fp
     assert run() == resumed and journal.read_text().splitlines(keepends=True) == again  # all from the journal
     with pytest.raises(DsparkError, match="other settings.*max_new_tokens"):
         run(n=13)
+    journal.write_text(again[0][:10])  # killed while writing the settings line: starts over
+    assert tau(run()) == tau(first) and len(journal.read_text().splitlines()) == 7
+    again = journal.read_text().splitlines(keepends=True)
     journal.write_text(again[0] + "not json\n" + "".join(again[1:]))
     with pytest.raises(DsparkError, match="journal.jsonl:2: not a journal record"):
         run()

@@ -50,10 +50,10 @@ class Journal:
             else:
                 self.done[tuple(obj["key"])] = obj["value"]
             keep += len(line) + 1
-        if keep == 0:
-            raise DsparkError(f"{self.path} has no settings line; delete it to start the run over")
         with open(self.path, "r+b") as f:
             f.truncate(keep)
+        if keep == 0:  # killed before the settings line was complete: nothing to keep
+            self._append({"settings": settings})
 
     def _append(self, obj: dict) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
