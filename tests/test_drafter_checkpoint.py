@@ -184,6 +184,7 @@ def test_cli_draft_init_writes_a_loadable_drafter(tiny_targets, tiny, tmp_path):
 
 def test_auto_picks_the_bundled_drafter_of_the_target_else_prompt_lookup(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(registry, "BUNDLED_DIR", tmp_path / "bundled")
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))  # auto profiles SPS for @dspark
     qwen3, llama = tiny["qwen3-tied"], tiny["llama-untied"]
     save_drafter(make_random_dspark(qwen3, "vanilla", block_size=4).model, tmp_path / "bundled" / "q", target=qwen3)
     assert registry.bundled_drafter(qwen3) == tmp_path / "bundled" / "q"
