@@ -206,6 +206,9 @@ def test_verification_rule_suffix(tiny, tmp_path, monkeypatch):
     assert load_drafter(str(d), target).sps is None
     hw = load_drafter(f"{d}@dspark", target)
     assert hw.sps is not None and hw.sps.max_tokens == 5 and hw.confidence_threshold is None
+    cost = hw.gate.draft_cost(1)  # the draft pass, measured once and cached like SPS
+    assert cost > 0 and len(list((tmp_path / "cache" / "sps").glob("draft-*.json"))) == 1
+    assert load_drafter(f"{d}@dspark", target).gate.draft_cost(1) == cost
     assert load_drafter(f"{d}@threshold:0.4", target).confidence_threshold == 0.4
     for spec, message in [(f"{d}@warp", "unknown verification rule"), (f"{d}@threshold:x", "needs a number"),
                           (f"{tmp_path / 'bare'}@dspark", "no confidence head")]:

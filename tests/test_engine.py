@@ -40,6 +40,37 @@ def test_batched_greedy_equals_plain_greedy_for_every_policy(tiny_targets, polic
         assert r.token_ids == w, (policy, r.id)
     verified = sum(x.drafted for r in done for x in r.rounds)
     assert (verified == 0) == (policy == "ar")
+    assert (engine.batch is None and engine.make_drafter is None) == (policy == "ar")  # AR runs no drafter
+
+
+class _CountingGate:
+    """Wraps a policy's DraftGate: forces a draft cost and counts drafting / skipped steps."""
+
+    def __init__(self, policy, draft_s: float):
+        self.gate, self.counts = policy.gate, {True: 0, False: 0}
+        self.gate.draft_seconds = lambda requests: draft_s
+        record = self.gate.record
+
+        def counting(requests, drafted, *rest):
+            self.counts[drafted] += 1
+            record(requests, drafted, *rest)
+        self.gate.record = counting
+
+
+@pytest.mark.parametrize("policy", ["dspark", "dspark-async"])
+def test_steps_that_skip_drafting_keep_greedy_exact(tiny_targets, policy):
+    target = load_target(tiny_targets[1][1], dtype=torch.float32, require_tokenizer=False)
+    drafter = make_random_dspark(target, "vanilla", block_size=5, std=0.3)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 128, (int(n),), generator=gen).tolist() for n in torch.randint(2, 30, (8,), generator=gen)]
+    ar = Decoder(target)
+    want = [ar.generate(p, 30).token_ids for p in prompts]
+    chosen = parse_policy(policy, SPS)
+    gate = _CountingGate(chosen, draft_s=0.05)  # 5x a plain step: a random drafter does not pay
+    engine = Engine(target, policy=chosen, max_batch=4, draft_model=drafter.model)
+    done = engine.run([Request(p, 30) for p in prompts])
+    assert [r.token_ids for r in done] == want
+    assert gate.counts[True] > 0 and gate.counts[False] > gate.counts[True], gate.counts
 
 
 def test_batched_greedy_on_smollm2_with_prompt_lookup(smollm2_fp32):
@@ -54,19 +85,29 @@ def test_batched_greedy_on_smollm2_with_prompt_lookup(smollm2_fp32):
     assert [r.token_ids for r in done] == want
 
 
-@pytest.mark.parametrize("policy", ["dspark", "dspark-async"])
-def test_scheduled_sampling_keeps_the_target_distribution(tmp_path, policy):
-    """T=1, 16 requests per batch with different seeds: the first two tokens follow the exact joint."""
+@pytest.mark.parametrize("policy, draft_s", [("dspark", None), ("dspark-async", None), ("dspark", 0.003)],
+                         ids=["dspark", "dspark-async", "dspark-skipping-drafts"])
+def test_scheduled_sampling_keeps_the_target_distribution(tmp_path, policy, draft_s):
+    """T=1, 16 requests per batch with different seeds: the first two tokens follow the exact joint,
+    also when steps skip drafting on the evidence of earlier steps."""
     target = tiny_sharp_target(tmp_path)
     drafter = make_random_dspark(target, "vanilla", block_size=3, rank=4, std=0.5)
     params = SamplingParams(temperature=1.0)
     sps = SPSTable(tuple(100.0 / (1 + 0.12 * (b - 1)) for b in range(1, 65)))
-    engine = Engine(target, policy=parse_policy(policy, sps), max_batch=16, draft_model=drafter.model)
+    chosen = parse_policy(policy, sps)
+    if draft_s is None:
+        chosen.gate = None  # Algorithm 1 alone: every step drafts
+    else:  # a given draft cost: the same decisions on any machine
+        gate = _CountingGate(chosen, draft_s)
+        chosen.gate.probe_every = 2  # this random drafter never pays: probe often for a mix of steps
+    engine = Engine(target, policy=chosen, max_batch=16, draft_model=drafter.model)
     n = 10_000
     done = engine.run([Request(TV_PROMPT, 3, params, seed=s) for s in range(n)])
-    first_rounds = [r.rounds[0] for r in done]
-    verified = sum(x.drafted for x in first_rounds) / n
-    assert 0.05 < verified < 0.95, verified  # the policy verified the draft sometimes, not always
+    if draft_s is None:
+        verified = sum(r.rounds[0].drafted for r in done) / n
+        assert 0.05 < verified < 0.95, verified  # the policy verified the draft sometimes, not always
+    else:
+        assert min(gate.counts.values()) > 100, gate.counts  # both kinds of step, many times
     tv = total_variation([r.token_ids for r in done], exact_first_two(target, params), 4)
     assert tv < 0.01, f"total variation {tv:.4f}"
 

@@ -136,27 +136,36 @@ def test_static_confidence_threshold_is_lossless_and_truncates(tiny_targets):
     assert min(drafted) < 6 and max(drafted) > 0
 
 
+@pytest.mark.parametrize("draft_s", [None, 0.004], ids=["rule", "rule+gate"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_hardware_aware_rule_is_lossless_and_stops_where_throughput_stops_rising(tiny_targets, temperature):
-    """PATH@dspark for one request: verify d_k only while (1 + Σ a) · SPS(1 + ℓ) still rises."""
-    from dspark.serve.scheduler import SPSTable, dspark_lengths
+def test_hardware_aware_rule_is_lossless_and_stops_where_throughput_stops_rising(tiny_targets, temperature, draft_s):
+    """PATH@dspark for one request: verify d_k only while (1 + Σ a) / (t_draft + 1 / SPS(1 + ℓ)) still
+    rises, and (with the gate) skip drafting in rounds where earlier rounds show it does not pay."""
+    from dspark.serve.scheduler import DraftGate, SPSTable, dspark_lengths
 
     target = load_target(tiny_targets[0][1], dtype=torch.float32, require_tokenizer=False)
     sps = SPSTable((50.0, 45.0, 44.0, 30.0, 29.0, 28.0, 20.0))  # jagged: cliffs after 1 and 3 drafts
     params = SamplingParams(temperature=temperature)
-    ar, drafted = Decoder(target), []
+    ar, drafted, skipped = Decoder(target), [], 0
     for seed in range(3):
         drafter = make_random_dspark(target, "gated", block_size=6, std=0.3)
         drafter.sps = sps
+        if draft_s is not None:
+            drafter.gate = DraftGate(sps, draft_seconds=lambda requests: draft_s, probe_every=3)
+        rate = drafter.gate.step_rate(1) if drafter.gate else sps
         prompt = torch.randint(3, 128, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
         got = Decoder(target, drafter).generate(prompt, 40, params, seed=seed)
         if temperature == 0:
             assert got.token_ids == ar.generate(prompt, 40).token_ids
-        for r in got.rounds:
-            full = dspark_lengths([metrics.prefix_survival(r.confidence_logits)], sps)[0] if r.drafted else 0
+        for r in got.rounds[:-1]:  # the last round has no budget left for drafts
+            if r.confidence_logits is None:  # the gate skipped drafting this round
+                skipped += 1
+                continue
+            full = dspark_lengths([metrics.prefix_survival(r.confidence_logits)], rate)[0] if r.drafted else 0
             assert r.drafted == full  # the rule's own choice (recorded logits are the verified prefix)
             drafted.append(r.drafted)
     assert min(drafted) < 6 and max(drafted) > 0
+    assert (skipped > 0) == (draft_s is not None)
 
 
 def test_eval_and_calibrate_cli(tmp_path, tiny_targets):

@@ -7,7 +7,7 @@ import pytest
 
 from dspark.errors import DsparkError
 from dspark.serve.scheduler import (
-    DSparkAsyncPolicy, SPSTable, dspark_lengths, lookback_lengths, parse_policy, top_k_lengths)
+    DraftGate, DSparkAsyncPolicy, SPSTable, dspark_lengths, lookback_lengths, parse_policy, top_k_lengths)
 
 
 class Recorded(list):
@@ -124,3 +124,37 @@ def test_async_capacity_comes_from_two_steps_earlier():
     assert out[0] == dspark_lengths(steps[0], sps) and out[1] == dspark_lengths(steps[1], sps)  # warm-up
     capacity = sum(lookback_lengths(steps[0], sps))  # from step 0, not from the current survivals
     assert sum(out[2]) == capacity and out[2] == top_k_lengths(steps[2], capacity)
+
+
+def test_draft_gate_skips_drafting_that_does_not_pay_and_probes_again():
+    sps = SPSTable((20.0,) * 9)  # a plain step: 50 ms for one token
+    gate = DraftGate(sps, draft_seconds=lambda requests: 0.025, probe_every=4)
+    assert gate.should_draft(1)  # nothing known: draft
+    gate.record(1, True, verified=3, committed=1, draft_s=0.025)  # 1 token in 75 ms
+    assert not gate.should_draft(1) and gate.should_draft(2)  # R = 2 has no record yet
+    for _ in range(3):
+        gate.record(1, False, 1, 1, 0.0)
+        assert not gate.should_draft(1)
+    gate.record(1, False, 1, 1, 0.0)
+    assert gate.should_draft(1)  # probe after 4 skipped steps
+    for _ in range(10):  # now 3 tokens per drafting step: 3 / 75 ms beats 1 / 50 ms
+        gate.record(1, True, 3, 3, 0.025)
+    assert gate.should_draft(1)
+    assert gate.step_rate(1)(3) == pytest.approx(1 / (0.025 + 1 / 20))
+    measured = DraftGate(sps)  # no given costs: running mean of measured draft passes
+    assert measured.draft_cost(1) == 0.0
+    measured.record(1, True, 2, 2, 0.01)
+    measured.record(1, True, 2, 2, 0.02)
+    assert measured.draft_cost(1) == pytest.approx(0.012)
+    measured.reset()
+    assert measured.draft_cost(1) == 0.0 and measured.should_draft(1)
+
+
+def test_ar_policy_never_drafts_and_dspark_counts_the_draft_pass():
+    sps = SPSTable((10.0, 7.0, 6.0, 5.5))
+    assert not parse_policy("ar").should_draft(4) and parse_policy("fixed:1").should_draft(4)
+    policy = parse_policy("dspark", sps)
+    survivals = [[0.6, 0.3, 0.1]]
+    assert policy.lengths(survivals, [3]) == dspark_lengths(survivals, sps) == [2]  # no draft cost seen yet
+    policy.record_step(1, True, 2, 2, 0.5)  # a draft pass of 0.5 s dwarfs the verify cost
+    assert policy.lengths(survivals, [3]) == [3]  # so verifying every draft is worth it

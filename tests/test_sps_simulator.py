@@ -44,6 +44,21 @@ def test_scheduler_policies_are_near_the_best_policy_and_never_below_ar(curve, n
         assert results["dspark"] >= results["ar"] and results["dspark-async"] >= results["ar"]
 
 
+def test_scheduler_skips_drafting_when_it_does_not_pay():
+    """With a draft pass costing half a plain step, a weak drafter loses to AR unless the policy stops
+    drafting (from past steps); a strong one still wins by far."""
+    sps = parse_sps(SMOOTH)
+    draft_s = 0.5 / sps(1)
+    for c in (1, 4):
+        run = lambda spec, accept: simulate(parse_policy(spec, sps), sps, c, gamma=8, steps=600,  # noqa: E731
+                                            accept_mean=accept, seed=c, draft_s=draft_s).throughput
+        ar = run("ar", 0.2)
+        assert run("fixed:1", 0.2) < 0.9 * ar  # the drafting cost is real
+        for spec in ("dspark", "dspark-async"):
+            assert run(spec, 0.2) >= 0.95 * ar, (c, spec)
+            assert run(spec, 0.8) >= 1.3 * ar, (c, spec)
+
+
 def test_profile_measures_once_then_reloads(tiny_targets, tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
     target = load_target(tiny_targets[0][1], dtype=torch.float32, require_tokenizer=False)

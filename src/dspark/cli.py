@@ -31,6 +31,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _target_args(p: argparse.ArgumentParser, dtype: bool = True, threads: bool = False) -> None:
+    """--model / --dtype / --threads, the same on every subcommand that loads the target."""
+    p.add_argument("--model", default=None, help="target: HF model directory or .gguf file (default: embedded SmolLM2)")
+    if dtype:
+        p.add_argument("--dtype", default="auto",
+                       help="float32 | bfloat16 | auto (default auto: bf16 on CPUs with native bf16 matrix units, else fp32)")
+    if threads:
+        p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all cores)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dspark", description=MAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -51,12 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
     g.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
-    g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2)")
-    g.add_argument(
-        "--dtype",
-        default="auto",
-        help="float32 | bfloat16 | auto (default: bf16 on CPUs with native bf16 matrix units, else fp32)",
-    )
+    _target_args(g, threads=True)
     g.add_argument("--drafter", default="auto",
                    help="auto | none | prompt-lookup | PATH[@RULE] to a drafter checkpoint; RULE = full (verify "
                    "every draft, default) | dspark (stop where one more draft no longer raises expected tokens/s "
@@ -65,7 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-draft-tokens", type=_positive_int, default=None, help="max draft tokens per round")
     g.add_argument("--confidence-threshold", type=float, default=None, metavar="C",
                    help="verify drafts only while their calibrated prefix survival >= C (drafters with a confidence head)")
-    g.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all cores)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
 
@@ -81,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         "is random (--copy-target-layers: the draft layers start as copies of the target's last layers). "
         "The target's embedding and LM head are shared, not copied.",
     )
-    init.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
+    _target_args(init, dtype=False)
     init.add_argument("--out", required=True, help="output checkpoint directory")
     init.add_argument("--head", default="markov", choices=["markov", "vanilla", "gated", "rnn", "none"],
                       help="sequential head: markov (= vanilla), gated, rnn, or none (DFlash mode) (default markov)")
@@ -107,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exp.add_argument("--drafter", required=True, help="drafter checkpoint directory")
     exp.add_argument("--out", required=True, help="output directory")
-    exp.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
+    _target_args(exp, dtype=False)
     exp.set_defaults(func=cmd_draft_export)
     conv = dsub.add_parser(
         "convert",
@@ -118,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--drafter", required=True, help="drafter checkpoint directory")
     conv.add_argument("--out", required=True, help="output directory")
     conv.add_argument("--dtype", required=True, choices=["float32", "bfloat16"], help="weights dtype on disk")
-    conv.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
+    _target_args(conv, dtype=False)
     conv.set_defaults(func=cmd_draft_convert)
 
     data = sub.add_parser("data", help="prepare training data", description="Prepare training data.")
@@ -134,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rg.add_argument("--prompts", required=True, action="append", help="prompt JSONL file (repeatable)")
     rg.add_argument("--out", required=True, help="output JSONL file (appended to)")
-    rg.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
+    _target_args(rg, threads=True)
     rg.add_argument("--limit", type=_positive_int, default=None, help="use only the first N prompts (after dedup)")
     rg.add_argument("--shuffle", type=int, default=None, metavar="SEED",
                     help="shuffle the prompts with this seed before --limit (a mixed subset of a sorted file)")
@@ -147,8 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
     rg.add_argument("--top-k", type=int, default=0, help="top-k (default 0 = off)")
     rg.add_argument("--batch-size", type=_positive_int, default=16, help="rows decoded together (default 16)")
     rg.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    rg.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto (default auto)")
-    rg.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all cores)")
     rg.set_defaults(func=cmd_data_regenerate)
 
     tr = sub.add_parser(
@@ -190,9 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--confidence-threshold", type=float, default=None,
                     help="verify drafts only while calibrated prefix survival >= C (drafters with a confidence head)")
     ev.add_argument("--out", required=True, help="output directory")
-    ev.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
-    ev.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto (default auto)")
-    ev.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all cores)")
+    _target_args(ev, threads=True)
     ev.set_defaults(func=cmd_eval)
 
     ca = sub.add_parser(
@@ -208,8 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--max-new-tokens", type=_positive_int, default=256, help="(default 256)")
     ca.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
     ca.add_argument("--seed", type=int, default=0)
-    ca.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
-    ca.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto (default auto)")
+    _target_args(ca)
     ca.add_argument("--dry-run", action="store_true", help="report, but do not write the temperatures")
     ca.set_defaults(func=cmd_calibrate)
 
@@ -219,12 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Measure SPS(B), target forwards per second for B = 1..--max-tokens verify tokens, cache it "
         "under the dspark cache directory (keyed by model, dtype, threads and machine), print it and plot it.",
     )
-    pr.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
-    pr.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto (default auto)")
+    _target_args(pr, threads=True)
     pr.add_argument("--max-tokens", type=_positive_int, default=64, help="largest B (default 64)")
     pr.add_argument("--context", type=_positive_int, default=256, help="tokens already in the cache (default 256)")
     pr.add_argument("--reps", type=_positive_int, default=5, help="timed sweeps, median taken (default 5)")
-    pr.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all cores)")
     pr.add_argument("--force", action="store_true", help="measure again even if a cached table exists")
     pr.add_argument("--plot", default="sps.png", help="PNG to write (default sps.png)")
     pr.set_defaults(func=cmd_profile)
@@ -242,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--gamma", type=_positive_int, default=8, help="drafts per request and step (default 8)")
     si.add_argument("--accept-mean", type=float, default=0.8, help="mean acceptance at position 0 (default 0.8)")
     si.add_argument("--steps", type=_positive_int, default=2000, help="simulated steps per point (default 2000)")
+    si.add_argument("--draft-ms", type=float, default=0.0,
+                    help="milliseconds one drafting pass adds to a step (default 0); dspark policies skip drafting "
+                    "while it does not pay")
     si.add_argument("--seed", type=int, default=0)
     si.set_defaults(func=cmd_simulate)
 
@@ -269,8 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--sps-max-tokens", type=_positive_int, default=None,
                     help="profile SPS(B) up to this B (default: max concurrency x 9, capped at 256)")
     bs.add_argument("--out", required=True, help="output directory")
-    bs.add_argument("--model", default=None, help="target: HF directory or .gguf (default: embedded SmolLM2)")
-    bs.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto (default auto)")
+    _target_args(bs)
     bs.set_defaults(func=cmd_bench_serve)
     return parser
 
@@ -536,11 +535,14 @@ def cmd_simulate(args) -> int:
         raise DsparkError(f"--concurrency expects comma-separated integers, got {args.concurrency!r}") from None
     if not 0 < args.accept_mean < 1:
         raise DsparkError("--accept-mean must be in (0, 1)")
+    if not args.draft_ms >= 0:
+        raise DsparkError("--draft-ms must be >= 0")
     specs = args.policy or ["ar", "fixed:1", f"fixed:{args.gamma}", "threshold:0.5", "dspark", "dspark-async"]
     print("policy          concurrency  tok/s    per-user  avg verify len   tau")
     for spec in specs:
         for c in levels:
-            r = simulate(parse_policy(spec, sps), sps, c, args.gamma, args.steps, args.accept_mean, seed=args.seed)
+            r = simulate(parse_policy(spec, sps), sps, c, args.gamma, args.steps, args.accept_mean, seed=args.seed,
+                         draft_s=args.draft_ms / 1000)
             print(f"{r.policy:15s} {c:11d} {r.throughput:8.1f} {r.per_user:9.1f} {r.avg_verify_len:15.2f} {r.tau:6.2f}")
     return 0
 

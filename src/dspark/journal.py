@@ -7,6 +7,7 @@ dropped."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -14,6 +15,11 @@ from pathlib import Path
 from dspark.errors import DsparkError
 
 Key = tuple  # of JSON scalars
+
+
+def json_digest(obj) -> str:
+    """Short stable fingerprint of a JSON-able value (settings, prompt lists, cache keys)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class Journal:

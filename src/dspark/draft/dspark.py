@@ -22,7 +22,7 @@ from dspark.decode.sampling import SamplingParams
 from dspark.draft.base import DraftBlock, Drafter, token_picker
 from dspark.draft.config import DraftConfig
 from dspark.draft.heads import ConfidenceHead, SequentialHead, prefix_survival
-from dspark.serve.scheduler import SPSTable, dspark_lengths
+from dspark.serve.scheduler import DraftGate, SPSTable, dspark_lengths
 from dspark.target.config import TargetConfig
 from dspark.target.model import apply_rope, rms_norm
 
@@ -257,6 +257,8 @@ class DSparkDrafter(ModelDrafter):
         self.temperatures: list[float] | None = None  # STS calibration (DESIGN.md §6)
         self.confidence_threshold: float | None = None  # static-threshold verification
         self.sps: SPSTable | None = None  # hardware-aware verification (Algorithm 1 for one request)
+        self.gate: DraftGate | None = None  # with sps: skip drafting while it does not pay
+        self._proposed: int | None = None  # drafts of the round in flight (-1: skipped), for the gate
         self.begin([])
 
     def begin(self, prompt_ids: list[int]) -> None:
@@ -265,6 +267,9 @@ class DSparkDrafter(ModelDrafter):
         shape = (1, attn.nkv, 0, attn.hd)  # per layer [k, v] buffers [1, nkv, capacity, hd]
         self._kv = [[m.inv_freq.new_empty(shape, dtype=m.dtype) for _ in "kv"] for _ in m.layers]
         self.length = 0  # committed context positions held in the cache
+        self._proposed = None
+        if self.gate is not None:  # every request learns its own acceptance: output depends on it alone
+            self.gate.reset()
 
     @torch.inference_mode()
     def observe(self, tokens: list[int], taps: torch.Tensor | None) -> None:
@@ -279,6 +284,11 @@ class DSparkDrafter(ModelDrafter):
                     buf[i] = grown
                 buf[i][:, :, self.length : end] = t
         self.length = end
+        if self.gate is not None and self._proposed is not None:  # the round in flight is verified
+            drafted = self._proposed >= 0
+            self.gate.record(1, drafted, 1 + max(self._proposed, 0), len(tokens),
+                             self.gate.draft_cost(1) if drafted else 0.0)
+        self._proposed = None
 
     @torch.inference_mode()
     def block_outputs(self, anchor: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,7 +333,10 @@ class DSparkDrafter(ModelDrafter):
 
     def propose(
         self, anchor: int, max_tokens: int, params: SamplingParams, generator: torch.Generator
-    ) -> DraftBlock:
+    ) -> DraftBlock | None:
+        if self.gate is not None and not self.gate.should_draft(1):  # decided from past rounds only
+            self._proposed = -1
+            return None
         h, base = self.block_outputs(anchor, min(self.num_draft_tokens, max_tokens))
         pick, probs = token_picker(params, generator)
         tokens, _, conf = self.run_heads(h, base, anchor, pick)
@@ -335,9 +348,10 @@ class DSparkDrafter(ModelDrafter):
             # expected tokens per second (1 + Σ a) · SPS(1 + ℓ) of the verify forward
             a = prefix_survival(conf.float().tolist(), self.temperatures)
             if self.sps is not None:
-                keep = dspark_lengths([a], self.sps)[0]
+                keep = dspark_lengths([a], self.gate.step_rate(1) if self.gate else self.sps)[0]
             else:
                 keep = next((k for k, v in enumerate(a) if v < self.confidence_threshold), len(a))
             tokens, conf = tokens[:keep], conf[:keep]
             p_d = p_d[:keep] if p_d is not None else None
+        self._proposed = len(tokens)
         return DraftBlock(tokens, p_d, None if conf is None else conf.float())

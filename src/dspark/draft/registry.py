@@ -92,7 +92,10 @@ def load_drafter(
             raise DsparkError(f"{base} has no confidence head: the dspark verification rule needs one")
         if confidence_threshold is not None:
             raise DsparkError("the dspark verification rule and --confidence-threshold exclude each other")
-        from dspark.serve.sps import load_or_measure
+        from dspark.serve.scheduler import DraftGate
+        from dspark.serve.sps import load_or_measure, load_or_measure_draft_cost
 
+        draft_s = load_or_measure_draft_cost(drafter, target)
         drafter.sps = load_or_measure(target, max_tokens=drafter.block_size + 1, progress=False)[0]
+        drafter.gate = DraftGate(drafter.sps, draft_seconds=lambda requests: draft_s)
     return drafter

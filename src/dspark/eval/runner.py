@@ -4,7 +4,6 @@ calibration and wall-clock speed (DESIGN.md §5)."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import statistics
 from pathlib import Path
@@ -16,7 +15,7 @@ from dspark.decode.sampling import SamplingParams
 from dspark.draft.registry import drafter_digest, load_drafter, resolve_drafter_spec, split_spec
 from dspark.errors import DsparkError
 from dspark.eval import metrics
-from dspark.journal import Journal
+from dspark.journal import Journal, json_digest
 from dspark.train.data import read_jsonl
 
 DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[3] / "data" / "eval"
@@ -107,7 +106,7 @@ def evaluate(
         engines[name] = Decoder(target, drafters[name])
     settings = {"target": str(target.path), "dtype": str(target.model.dtype), "max_new_tokens": max_new_tokens,
                 "temperatures": temperatures, "seed": seed, "confidence_threshold": confidence_threshold,
-                "datasets": {ds: _digest(json.dumps(p).encode()) for ds, p in prompt_sets.items()},
+                "datasets": {ds: json_digest(p) for ds, p in prompt_sets.items()},
                 "drafters": {spec: drafter_digest(spec) for spec in drafter_specs}}
     journal = Journal(journal_path, settings) if journal_path else None
     done = journal.done if journal else {}
@@ -145,10 +144,6 @@ def evaluate(
     return {"runs": runs, "config": {"datasets": {k: len(v) for k, v in prompt_sets.items()},
                                      "max_new_tokens": max_new_tokens, "temperatures": temperatures, "seed": seed,
                                      "confidence_threshold": confidence_threshold, "drafters": drafter_specs}}
-
-
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def _positions(drafter, rounds) -> int:

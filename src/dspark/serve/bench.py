@@ -7,7 +7,6 @@ in the same process (policies interleaved per level so machine drift hits all al
 
 from __future__ import annotations
 
-import hashlib
 import json
 import statistics
 import time
@@ -17,7 +16,7 @@ from tqdm import tqdm
 
 from dspark.decode.sampling import SamplingParams
 from dspark.draft.registry import drafter_digest, resolve_drafter_spec
-from dspark.journal import Journal
+from dspark.journal import Journal, json_digest
 from dspark.serve.engine import Engine, Request
 from dspark.serve.scheduler import parse_policy
 
@@ -53,7 +52,7 @@ def bench_serve(target, drafter_spec, policies: list[str], levels: list[int], pr
     encoded = [target.encode_prompt(p) for p in prompts]
     settings = {"target": str(target.path), "dtype": str(target.model.dtype), "drafter": drafter_digest(str(drafter_spec)),
                 "requests": requests_per_level, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                "prompts": hashlib.sha256(json.dumps(encoded).encode()).hexdigest()[:16],
+                "prompts": json_digest(encoded),
                 "sps": list(sps.values) if sps else None}
     journal = Journal(journal_path, settings) if journal_path else None
     rows = []

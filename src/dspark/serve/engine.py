@@ -1,7 +1,8 @@
 """Batched speculative engine with continuous batching and a verification-length policy.
 
 Requests join free slots between steps (prefilled one by one into their row of a shared KV cache)
-and leave when done. One engine step: every active request drafts, the policy chooses how many of
+and leave when done. One engine step: every active request drafts (unless the policy, from past
+steps, finds that drafting does not pay: then it is a plain AR step), the policy chooses how many of
 each request's drafts to verify (ℓ_r), one ragged target forward verifies all of them (row r
 holds 1 + ℓ_r tokens), each row accepts / resamples with its own generator, and the cache rows roll
 back to their committed lengths. All randomness is per request, so a request's sample path never
@@ -104,8 +105,10 @@ class Engine:
             raise DsparkError("give either draft_model (batched) or make_drafter (per request), not both")
         self.target = target
         self.model = target.model
-        self.make_drafter = make_drafter
         self.policy = policy or ARPolicy()
+        if not self.policy.drafts:  # plain AR: no drafter to run or feed
+            make_drafter = draft_model = None
+        self.make_drafter = make_drafter
         self.max_batch = max_batch
         # rows verify ragged lengths padded to the longest: padding K/V of a row near its limit lands in
         # HEADROOM extra cache columns (never valid), so the usable window is that much shorter
@@ -165,12 +168,17 @@ class Engine:
             return
         slots = [self.slots[b] for b in active]
         budgets = [self._budget(b) for b in active]
-        if self.batch is not None:
+        drafting = self.policy.should_draft(len(active))  # from past steps only
+        t0 = time.perf_counter()
+        if not drafting:
+            blocks = [None] * len(active)
+        elif self.batch is not None:
             blocks = self.batch.propose(active, [s.anchor for s in slots], budgets, [s.request.params for s in slots],
                                         [s.generator for s in slots])
         else:
             blocks = [s.drafter.propose(s.anchor, n, s.request.params, s.generator) if s.drafter and n > 0 else None
                       for s, n in zip(slots, budgets)]
+        draft_s = time.perf_counter() - t0
         drafts = [blk.tokens[:n] if blk else [] for blk, n in zip(blocks, budgets)]
         lengths = self._schedule(slots, blocks, drafts)
 
@@ -201,6 +209,7 @@ class Engine:
             new_lengths[b] = committed[b] + 1 + a
             results.append((a, int(nxt[0])))
         self.cache.truncate(new_lengths)
+        self.policy.record_step(len(active), drafting, int(num_new.sum()), sum(a + 1 for a, _ in results), draft_s)
         for i, (b, s, d, ell) in enumerate(zip(active, slots, drafts, lengths)):
             a, nxt = results[i]
             blk = blocks[i]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import Sequence
+from typing import Callable, Sequence
 
 from dspark.errors import DsparkError
 
@@ -36,7 +36,7 @@ class SPSTable:
 
 def _admit(
     survivals: Sequence[Sequence[float]],
-    sps: SPSTable,
+    sps: Callable[[int], float],
     stop_at_drop: bool,
     capacity: int | None = None,
     limits: Sequence[int] | None = None,
@@ -81,12 +81,12 @@ def _admit(
     return lengths, (len(history) if capacity is not None else best_len)
 
 
-def dspark_lengths(survivals: Sequence[Sequence[float]], sps: SPSTable, limits: Sequence[int] | None = None) -> list[int]:
+def dspark_lengths(survivals: Sequence[Sequence[float]], sps: Callable[[int], float], limits: Sequence[int] | None = None) -> list[int]:
     """Algorithm 1 with the early-stop break (lossless)."""
     return _admit(survivals, sps, stop_at_drop=True, limits=limits)[0]
 
 
-def lookback_lengths(survivals: Sequence[Sequence[float]], sps: SPSTable) -> list[int]:
+def lookback_lengths(survivals: Sequence[Sequence[float]], sps: Callable[[int], float]) -> list[int]:
     """Unconstrained search: the best prefix of the whole descending order. Biased if applied to the
     current step's survivals (Appendix A); used on stale survivals by `dspark-async`."""
     return _admit(survivals, sps, stop_at_drop=False)[0]
@@ -97,11 +97,70 @@ def top_k_lengths(survivals: Sequence[Sequence[float]], capacity: int, limits: S
     return _admit(survivals, SPSTable((1.0,)), stop_at_drop=False, capacity=capacity, limits=limits)[0]
 
 
+class DraftGate:
+    """Whether a step drafts at all. The drafter pass is paid before any verification length is
+    chosen, so this is decided from past steps only (never from this step's drafts: lossless).
+
+    Drafting pays when R·τ̄ / (t_draft + 1 / SPS(R·v̄)) > R·SPS(R): τ̄ and v̄ are running means of
+    tokens committed and verified per request over earlier drafting steps at R requests, t_draft
+    the draft-pass seconds (given by `draft_seconds(R)`, else the running mean of measured ones).
+    After `probe_every` skipped steps it drafts once to refresh the estimates."""
+
+    def __init__(self, sps: SPSTable, draft_seconds: Callable[[int], float] | None = None,
+                 probe_every: int = 16, weight: float = 0.2):
+        self.sps, self.draft_seconds = sps, draft_seconds
+        self.probe_every, self.weight = probe_every, weight
+        self.reset()
+
+    def reset(self) -> None:
+        self.stats: dict[int, list[float]] = {}  # R -> [τ̄, v̄, measured t_draft]
+        self.skipped = 0
+
+    def draft_cost(self, requests: int) -> float:
+        """Seconds a drafting pass over `requests` requests adds to a step (0 before any is seen)."""
+        if self.draft_seconds:
+            return self.draft_seconds(requests)
+        stats = self.stats.get(requests)
+        return stats[2] if stats else 0.0
+
+    def should_draft(self, requests: int) -> bool:
+        stats = self.stats.get(requests)
+        if stats is None or self.skipped >= self.probe_every:
+            return True
+        tau, verify, _ = stats
+        tokens = min(self.sps.max_tokens, max(requests, round(requests * verify)))
+        return tau / (self.draft_cost(requests) + 1.0 / self.sps(tokens)) >= self.sps(requests)
+
+    def step_rate(self, requests: int) -> Callable[[int], float]:
+        """Steps per second of a drafting step verifying B tokens: 1 / (t_draft + 1 / SPS(B))."""
+        t = self.draft_cost(requests)
+        return lambda tokens: 1.0 / (t + 1.0 / self.sps(tokens)) if self.sps(tokens) > 0 else 0.0
+
+    def record(self, requests: int, drafted: bool, verified: int, committed: int, draft_s: float) -> None:
+        """One finished step: tokens verified (B) and committed over its `requests` requests."""
+        if not drafted:
+            self.skipped += 1
+            return
+        self.skipped = 0
+        new = [committed / requests, verified / requests, draft_s]
+        old = self.stats.get(requests)
+        self.stats[requests] = new if old is None else [o + self.weight * (n - o) for o, n in zip(old, new)]
+
+
 class Policy:
     """Chooses verification lengths for a batch of requests, one engine step at a time."""
 
     name = "policy"
     needs_survivals = True
+    drafts = True  # False: the engine never drafts (plain AR)
+    gate: DraftGate | None = None  # decides per step whether drafting pays at all
+
+    def should_draft(self, requests: int) -> bool:
+        return self.drafts and (self.gate is None or self.gate.should_draft(requests))
+
+    def record_step(self, requests: int, drafted: bool, verified: int, committed: int, draft_s: float) -> None:
+        if self.gate is not None:
+            self.gate.record(requests, drafted, verified, committed, draft_s)
 
     def lengths(self, survivals: Sequence[Sequence[float]], drafted: Sequence[int]) -> list[int]:
         raise NotImplementedError
@@ -110,6 +169,7 @@ class Policy:
 class ARPolicy(Policy):
     name = "ar"
     needs_survivals = False
+    drafts = False
 
     def lengths(self, survivals, drafted):
         return [0] * len(drafted)
@@ -144,13 +204,21 @@ class ThresholdPolicy(Policy):
 
 
 class DSparkPolicy(Policy):
+    """Algorithm 1 maximising Θ = τ / (t_draft + 1 / SPS(B)): the profiled SPS curve with the drafting
+    pass counted in each step's time (t_draft = 0 gives DESIGN.md's τ·SPS(B)); and no drafting at all
+    while it does not pay (DraftGate)."""
+
     name = "dspark"
 
     def __init__(self, sps: SPSTable):
         self.sps = sps
+        self.gate = DraftGate(sps)
 
     def lengths(self, survivals, drafted):
-        return dspark_lengths(survivals, self.sps, drafted)
+        return dspark_lengths(survivals, self.rate(len(drafted)), drafted)
+
+    def rate(self, requests: int) -> Callable[[int], float]:
+        return self.gate.step_rate(requests) if self.gate else self.sps
 
 
 class DSparkAsyncPolicy(Policy):
@@ -161,13 +229,15 @@ class DSparkAsyncPolicy(Policy):
 
     def __init__(self, sps: SPSTable):
         self.sps = sps
-        self._history: list[list[list[float]]] = []  # survivals of the last two steps
+        self.gate = DraftGate(sps)
+        self._history: list[list[list[float]]] = []  # survivals of the last two drafting steps
 
     def lengths(self, survivals, drafted):
+        rate = self.gate.step_rate(len(drafted)) if self.gate else self.sps
         if len(self._history) < 2:  # warm-up: the synchronous rule
-            out = dspark_lengths(survivals, self.sps, drafted)
+            out = dspark_lengths(survivals, rate, drafted)
         else:
-            capacity = sum(lookback_lengths(self._history[0], self.sps))
+            capacity = sum(lookback_lengths(self._history[0], rate))
             out = top_k_lengths(survivals, capacity, drafted)
         # kept for the step after next, which reads them only once these drafts are verified
         self._history = (self._history + [[list(s[:d]) for s, d in zip(survivals, drafted)]])[-2:]

@@ -6,7 +6,6 @@ directory, so an engine start reloads it instead of profiling again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 import statistics
@@ -16,7 +15,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dspark.decode.sampling import SamplingParams
 from dspark.errors import DsparkError
+from dspark.journal import json_digest
 from dspark.serve.scheduler import SPSTable
 from dspark.target.loading import cache_root
 
@@ -44,8 +45,7 @@ def profile_key(target, max_tokens: int, context: int) -> dict:
 
 
 def cache_file(key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / "sps" / f"{digest}.json"
+    return cache_root() / "sps" / f"{json_digest(key)}.json"
 
 
 @torch.inference_mode()
@@ -94,6 +94,49 @@ def load_or_measure(target, max_tokens: int = 64, context: int = 256, reps: int 
     tmp.write_text(json.dumps({"key": key, "sps": list(table.values)}, indent=1) + "\n")
     tmp.replace(path)
     return table, path, True
+
+
+@torch.inference_mode()
+def measure_draft_cost(drafter, target, context: int = 256, reps: int = 10) -> float:
+    """Median seconds of one drafting pass (`propose` of a full block) after `context` tokens."""
+    model = target.model
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, context), generator=gen)
+    out = model(ids, model.new_cache(1, context), taps=tuple(drafter.tap_layers))
+    drafter.begin(ids[0].tolist())
+    drafter.observe(ids[0].tolist(), out.taps[0])
+    times = []
+    for rep in range(reps + 1):
+        t0 = time.perf_counter()
+        drafter.propose(int(ids[0, -1]), drafter.num_draft_tokens, SamplingParams(), gen)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        if rep:  # the first pass warms up
+            times.append(time.perf_counter() - t0)
+    drafter.begin([])
+    return statistics.median(times)
+
+
+def load_or_measure_draft_cost(drafter, target, context: int = 256) -> float:
+    """The cached draft-pass time of this drafter shape on this setup, or a fresh measurement.
+    Cached (like SPS) so that decisions made from it, and seeded outputs, repeat run to run."""
+    key = profile_key(target, drafter.num_draft_tokens, context)
+    key["drafter"] = {"class": type(drafter).__name__, "params": sum(p.numel() for p in drafter.model.parameters()),
+                      "taps": list(drafter.tap_layers)}
+    path = cache_root() / "sps" / f"draft-{json_digest(key)}.json"
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("key") == key and data["seconds"] > 0:
+                return float(data["seconds"])
+        except (ValueError, KeyError, TypeError):
+            pass  # unreadable cache: measure again
+    seconds = measure_draft_cost(drafter, target, context)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "seconds": seconds}, indent=1) + "\n")
+    tmp.replace(path)
+    return seconds
 
 
 def parse_sps(text: str) -> SPSTable:
