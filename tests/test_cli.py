@@ -101,15 +101,17 @@ def test_draft_init_then_generate_with_it_matches_plain_greedy(tmp_path):
 
 def test_default_drafter_is_the_shipped_one_and_lossless():
     """No --drafter on the embedded model: the bundled, trained DSpark drafter; greedy output equals AR's."""
+    from dspark.draft.registry import BUNDLED_DIR
+
     outs = {}
-    for drafter in [None, "none"]:
+    for drafter in [None, "none", f"{BUNDLED_DIR / 'smollm2-135m-instruct'}@full"]:
         extra = ["--drafter", drafter] if drafter else []
         r = run_cli("generate", "--prompt", "Write a Python function that returns the square of a number.",
                     "--max-new-tokens", "48", "--dtype", "float32", *extra)
         assert r.returncode == 0, r.stderr
         outs[drafter] = r
-    stats = outs[None].stderr
-    assert "drafters/smollm2-135m-instruct" in stats, stats
-    assert outs[None].stdout == outs["none"].stdout
+    assert "drafters/smollm2-135m-instruct" in outs[None].stderr, outs[None].stderr
+    assert len({r.stdout for r in outs.values()}) == 1  # the same greedy text whatever drafts
+    stats = outs[drafter].stderr  # every block verified in full: τ shows the drafter is trained
     tau = float(stats.split("tau ")[1].split(",")[0])
-    assert tau > 1.1, stats  # a trained drafter (a random one stays at ~1.0)
+    assert tau > 1.3, stats  # a random drafter stays at ~1.0

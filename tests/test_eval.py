@@ -69,6 +69,18 @@ def test_sts_lowers_ece_of_overconfident_scores_and_keeps_the_ranking():
         assert metrics.roc_auc(scaled, y) == pytest.approx(metrics.roc_auc(raw, y), abs=1e-12)
 
 
+def test_sts_keeps_the_previous_temperature_where_a_position_has_no_evidence():
+    """Positions that no round survives would fit T -> 0 (all-zero scores have ECE 0); they keep the last fit."""
+    gen = torch.Generator().manual_seed(1)
+    rounds = []
+    for _ in range(2000):
+        u = 1.5 * torch.randn(4, generator=gen)
+        accepted = int(torch.rand(1, generator=gen) < torch.sigmoid(u[0]))  # position 1+ never survives
+        rounds.append(RoundRecord(4, accepted, (2.0 * u).tolist()))
+    temps = fit_sts(rounds, 4)
+    assert temps[0] > 1.2 and temps[1:] == [temps[0]] * 3, temps
+
+
 def test_eval_runs_every_drafter_and_ar_on_the_same_prompts(smollm2_fp32, tmp_path):
     target = smollm2_fp32
     ds = tmp_path / "mini.jsonl"

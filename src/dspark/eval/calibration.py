@@ -2,7 +2,8 @@
 
 For positions k = 0..γ-1, left to right, with T_0..T_{k-1} fixed, T_k is grid-searched to
 minimise the ECE of Π_{i≤k} σ(z_i / T_i) against "positions 0..k all accepted". Dividing a logit by
-a positive temperature is monotone, so every position keeps its ranking (AUC unchanged).
+a positive temperature is monotone, so every position keeps its ranking (AUC unchanged). A position
+whose rounds were (nearly) all accepted or all rejected carries no evidence and keeps the previous T.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dspark.decode.generate import RoundRecord
 from dspark.eval.metrics import ece
 
 GRID = torch.logspace(-1.5, 1.5, 241).tolist()  # T from ~0.03 to ~32
+MIN_CLASS = 5  # fewer accepted (or rejected) rounds than this at a position: keep the previous T
 
 
 def fit_sts(rounds: Sequence[RoundRecord], positions: int, bins: int = 20) -> list[float]:
@@ -25,18 +27,17 @@ def fit_sts(rounds: Sequence[RoundRecord], positions: int, bins: int = 20) -> li
     log_prefix = torch.zeros(len(data), dtype=torch.float64)
     for k in range(positions):
         rows = [i for i, r in enumerate(data) if r.drafted > k and len(r.confidence_logits) > k]
-        if not rows:
-            temps.append(1.0)
-            continue
-        z = torch.tensor([data[i].confidence_logits[k] for i in rows], dtype=torch.float64)
         y = [int(data[i].accepted > k) for i in rows]
-        base = log_prefix[rows]
-        best_t, best_e = 1.0, float("inf")
-        for t in GRID:
-            scores = torch.exp(base + torch.nn.functional.logsigmoid(z / t)).tolist()
-            e = ece(scores, y, bins)
-            if e < best_e - 1e-12:
-                best_t, best_e = t, e
+        best_t = temps[-1] if temps else 1.0
+        if min(sum(y), len(y) - sum(y)) >= MIN_CLASS:  # else no evidence to fit: an ECE of 0 from all-0 scores
+            z = torch.tensor([data[i].confidence_logits[k] for i in rows], dtype=torch.float64)
+            base = log_prefix[rows]
+            best_e = float("inf")
+            for t in GRID:
+                scores = torch.exp(base + torch.nn.functional.logsigmoid(z / t)).tolist()
+                e = ece(scores, y, bins)
+                if e < best_e - 1e-12:
+                    best_t, best_e = t, e
         temps.append(best_t)
         all_z = torch.tensor([r.confidence_logits[k] if len(r.confidence_logits) > k else 0.0 for r in data],
                              dtype=torch.float64)
