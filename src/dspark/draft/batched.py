@@ -26,6 +26,7 @@ class DSparkBatch:
         self.k = [model.fc.weight.new_zeros(shape) for _ in model.layers]
         self.v = [model.fc.weight.new_zeros(shape) for _ in model.layers]
         self.lengths = [0] * slots
+        self.pending: list[list[torch.Tensor]] = [[] for _ in range(slots)]  # taps not yet in the K/V
         self.max_len = max_len
         self.temperatures: list[float] | None = None
         head = model.markov_head
@@ -33,10 +34,19 @@ class DSparkBatch:
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
+        self.pending[slot] = []
+
+    def observe(self, slot: int, taps: torch.Tensor) -> None:
+        """Queue the committed positions' taps [n, m, H] of `slot`; their context K/V is computed at
+        the slot's next drafting pass, in one go (steps that skip drafting pay nothing for it)."""
+        self.pending[slot].append(taps)
 
     @torch.inference_mode()
-    def observe(self, slot: int, taps: torch.Tensor) -> None:
-        """Append the committed positions' context K/V (taps [n, m, H]) to `slot`."""
+    def _flush(self, slot: int) -> None:
+        if not self.pending[slot]:
+            return
+        taps = torch.cat(self.pending[slot]) if len(self.pending[slot]) > 1 else self.pending[slot][0]
+        self.pending[slot] = []
         n, start = taps.shape[0], self.lengths[slot]
         pos = torch.arange(start, start + n)[None]
         for buf_k, buf_v, (k, v) in zip(self.k, self.v, self.model.context_kv(self.model.context(taps[None]), pos)):
@@ -53,6 +63,8 @@ class DSparkBatch:
             return out
         m, g = self.model, self.block_size
         sl = [slots[i] for i in rows]
+        for s in sl:
+            self._flush(s)
         lens = torch.tensor([self.lengths[s] for s in sl])
         ctx = int(lens.max())
         ids = torch.tensor([[anchors[i]] + [self.cfg.mask_token_id] * (g - 1) for i in rows])

@@ -21,8 +21,9 @@ from dspark.serve.engine import Engine, Request
 from dspark.serve.scheduler import parse_policy
 
 
-def engine_factory(target, drafter_spec: str | None):
-    """(make(policy, max_batch) -> Engine, drafter label)."""
+def engine_factory(target, drafter_spec: str | None, max_len: int | None = None):
+    """(make(policy, max_batch) -> Engine, drafter label). `max_len` bounds each slot's context (the
+    KV cache is allocated for max_batch x max_len up front)."""
     from dspark.draft.dspark import DSparkModel
     from dspark.draft.registry import load_drafter
 
@@ -30,16 +31,18 @@ def engine_factory(target, drafter_spec: str | None):
     model = getattr(drafter, "model", None)
     if isinstance(model, DSparkModel):  # DSpark / DFlash: one batched drafting pass per step
         temps = getattr(drafter, "temperatures", None)
-        return (lambda policy, c: Engine(target, policy=policy, max_batch=c, draft_model=model, temperatures=temps)), drafter_spec
+        return (lambda policy, c: Engine(target, policy=policy, max_batch=c, max_len=max_len, draft_model=model,
+                                           temperatures=temps)), drafter_spec
     if drafter_spec == "prompt-lookup":
         from dspark.draft.prompt_lookup import PromptLookupDrafter
 
-        return (lambda policy, c: Engine(target, lambda: PromptLookupDrafter(8), policy, max_batch=c)), drafter_spec
+        return (lambda policy, c: Engine(target, lambda: PromptLookupDrafter(8), policy, max_batch=c, max_len=max_len)), drafter_spec
     if drafter is not None:  # EAGLE-3: one drafter per request, sharing the weights
         from dspark.draft.checkpoint import wrap_drafter
 
-        return (lambda policy, c: Engine(target, lambda: wrap_drafter(model, target), policy, max_batch=c)), drafter_spec
-    return (lambda policy, c: Engine(target, policy=policy, max_batch=c)), "none"
+        return (lambda policy, c: Engine(target, lambda: wrap_drafter(model, target), policy, max_batch=c,
+                                           max_len=max_len)), drafter_spec
+    return (lambda policy, c: Engine(target, policy=policy, max_batch=c, max_len=max_len)), "none"
 
 
 def bench_serve(target, drafter_spec, policies: list[str], levels: list[int], prompts: list[str], requests_per_level: int,
@@ -48,8 +51,8 @@ def bench_serve(target, drafter_spec, policies: list[str], levels: list[int], pr
     """Every (concurrency, policy) cell in turn. With `journal_path`, finished cells are kept there
     and a rerun with the same settings measures only the missing ones."""
     drafter_spec = resolve_drafter_spec(drafter_spec, target)
-    make, label = engine_factory(target, drafter_spec)
     encoded = [target.encode_prompt(p) for p in prompts]
+    make, label = engine_factory(target, drafter_spec, max(map(len, encoded)) + max_new_tokens + 1)
     settings = {"target": str(target.path), "dtype": str(target.model.dtype), "drafter": drafter_digest(str(drafter_spec)),
                 "requests": requests_per_level, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "prompts": json_digest(encoded),
@@ -83,6 +86,7 @@ def bench_serve(target, drafter_spec, policies: list[str], levels: list[int], pr
                 "tau": sum(x.accepted + 1 for x in rounds) / len(rounds) if rounds else 0.0,
                 "engine_steps": engine.steps,
             })
+            del engine  # its KV cache, before the next one is allocated
             if journal:
                 journal.add((c, spec), rows[-1])
             bar.update(1)

@@ -209,7 +209,8 @@ class Engine:
             new_lengths[b] = committed[b] + 1 + a
             results.append((a, int(nxt[0])))
         self.cache.truncate(new_lengths)
-        self.policy.record_step(len(active), drafting, int(num_new.sum()), sum(a + 1 for a, _ in results), draft_s)
+        # the forward computed B x q positions (rows padded to the longest, idle rows included)
+        self.policy.record_step(len(active), drafting, B * q, sum(a + 1 for a, _ in results), draft_s)
         for i, (b, s, d, ell) in enumerate(zip(active, slots, drafts, lengths)):
             a, nxt = results[i]
             blk = blocks[i]
