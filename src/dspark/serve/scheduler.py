@@ -101,8 +101,8 @@ class DraftGate:
     """Whether a step drafts at all. The drafter pass is paid before any verification length is
     chosen, so this is decided from past steps only (never from this step's drafts: lossless).
 
-    Drafting pays when R·τ̄ / (t_draft + 1 / SPS(R·v̄)) > R·SPS(R): τ̄ and v̄ are running means of
-    tokens committed and verified per request over earlier drafting steps at R requests, t_draft
+    Drafting pays when R·τ̄ / (t_draft + 1 / SPS(R·v̄)) ≥ R·SPS(R): τ̄ and v̄ are running means of
+    tokens committed and positions computed per request over earlier drafting steps at R requests, t_draft
     the draft-pass seconds (given by `draft_seconds(R)`, else the running mean of measured ones).
     After `probe_every` skipped steps it drafts once to refresh the estimates."""
 
@@ -137,7 +137,8 @@ class DraftGate:
         return lambda tokens: 1.0 / (t + 1.0 / self.sps(tokens)) if self.sps(tokens) > 0 else 0.0
 
     def record(self, requests: int, drafted: bool, verified: int, committed: int, draft_s: float) -> None:
-        """One finished step: tokens verified (B) and committed over its `requests` requests."""
+        """One finished step: positions the verify forward computed (B) and tokens committed over its
+        `requests` requests."""
         if not drafted:
             self.skipped += 1
             return
@@ -221,19 +222,18 @@ class DSparkPolicy(Policy):
         return self.gate.step_rate(requests) if self.gate else self.sps
 
 
-class DSparkAsyncPolicy(Policy):
+class DSparkAsyncPolicy(DSparkPolicy):
     """Capacity K from the survivals of two steps earlier (unconstrained search), then top-K
     admission of the current survivals. Lossless: K never depends on the current tokens."""
 
     name = "dspark-async"
 
     def __init__(self, sps: SPSTable):
-        self.sps = sps
-        self.gate = DraftGate(sps)
+        super().__init__(sps)
         self._history: list[list[list[float]]] = []  # survivals of the last two drafting steps
 
     def lengths(self, survivals, drafted):
-        rate = self.gate.step_rate(len(drafted)) if self.gate else self.sps
+        rate = self.rate(len(drafted))
         if len(self._history) < 2:  # warm-up: the synchronous rule
             out = dspark_lengths(survivals, rate, drafted)
         else:
