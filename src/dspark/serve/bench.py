@@ -36,7 +36,8 @@ def engine_factory(target, drafter_spec: str | None, max_len: int | None = None)
     if drafter_spec == "prompt-lookup":
         from dspark.draft.prompt_lookup import PromptLookupDrafter
 
-        return (lambda policy, c: Engine(target, lambda: PromptLookupDrafter(8), policy, max_batch=c, max_len=max_len)), drafter_spec
+        return (lambda policy, c: Engine(target, lambda: PromptLookupDrafter(8), policy, max_batch=c,
+                                           max_len=max_len)), drafter_spec
     if drafter is not None:  # EAGLE-3: one drafter per request, sharing the weights
         from dspark.draft.checkpoint import wrap_drafter
 

@@ -81,7 +81,8 @@ def _admit(
     return lengths, (len(history) if capacity is not None else best_len)
 
 
-def dspark_lengths(survivals: Sequence[Sequence[float]], sps: Callable[[int], float], limits: Sequence[int] | None = None) -> list[int]:
+def dspark_lengths(survivals: Sequence[Sequence[float]], sps: Callable[[int], float],
+                   limits: Sequence[int] | None = None) -> list[int]:
     """Algorithm 1 with the early-stop break (lossless)."""
     return _admit(survivals, sps, stop_at_drop=True, limits=limits)[0]
 

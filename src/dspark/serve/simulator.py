@@ -4,7 +4,8 @@ Each step, every one of R concurrent requests holds γ drafts whose true per-pos
 probabilities α_{r,k} are drawn around a mean that decays along the block; the drafter reports
 them as calibrated survivals a_{r,j} = Π_{k<j} α_{r,k} (optionally blurred by noise). The policy
 picks verification lengths, the target "verifies" by sequential Bernoulli draws, and the step
-costs 1 / SPS(B) seconds plus `draft_s` when it drafted (a policy may skip drafting: DraftGate). Predicts throughput for other hardware without running a model.
+costs 1 / SPS(B) seconds, plus `draft_s` when it drafted (a policy may skip drafting: DraftGate).
+Predicts throughput for other hardware without running a model.
 """
 
 from __future__ import annotations

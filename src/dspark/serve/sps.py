@@ -44,8 +44,8 @@ def profile_key(target, max_tokens: int, context: int) -> dict:
     }
 
 
-def cache_file(key: dict) -> Path:
-    return cache_root() / "sps" / f"{json_digest(key)}.json"
+def cache_file(key: dict, prefix: str = "") -> Path:
+    return cache_root() / "sps" / f"{prefix}{json_digest(key)}.json"
 
 
 @torch.inference_mode()
@@ -81,19 +81,31 @@ def load_or_measure(target, max_tokens: int = 64, context: int = 256, reps: int 
     (table, cache path, whether it was measured now)."""
     key = profile_key(target, max_tokens, context)
     path = cache_file(key)
-    if path.exists() and not force:
-        try:
-            data = json.loads(path.read_text())
-            if data.get("key") == key:
-                return SPSTable(tuple(data["sps"])), path, False
-        except (ValueError, KeyError, DsparkError):
-            pass  # unreadable cache: measure again
+    data = None if force else _read_cache(path, key)
+    try:
+        if data is not None:
+            return SPSTable(tuple(data["sps"])), path, False
+    except (KeyError, TypeError, ValueError, DsparkError):
+        pass  # unreadable cache: measure again
     table = measure_sps(target, max_tokens, context, reps, progress)
+    _write_cache(path, {"key": key, "sps": list(table.values)})
+    return table, path, True
+
+
+def _read_cache(path: Path, key: dict) -> dict | None:
+    """The cached JSON object at `path` if it exists, parses and was written for `key`."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("key") == key else None
+
+
+def _write_cache(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "sps": list(table.values)}, indent=1) + "\n")
-    tmp.replace(path)
-    return table, path, True
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)  # atomic: a reader sees the old file or the new one
 
 
 @torch.inference_mode()
@@ -123,19 +135,12 @@ def load_or_measure_draft_cost(drafter, target, context: int = 256) -> float:
     key = profile_key(target, drafter.num_draft_tokens, context)
     key["drafter"] = {"class": type(drafter).__name__, "params": sum(p.numel() for p in drafter.model.parameters()),
                       "taps": list(drafter.tap_layers)}
-    path = cache_root() / "sps" / f"draft-{json_digest(key)}.json"
-    if path.exists():
-        try:
-            data = json.loads(path.read_text())
-            if data.get("key") == key and data["seconds"] > 0:
-                return float(data["seconds"])
-        except (ValueError, KeyError, TypeError):
-            pass  # unreadable cache: measure again
+    path = cache_file(key, prefix="draft-")
+    data = _read_cache(path, key)
+    if data is not None and isinstance(data.get("seconds"), float) and data["seconds"] > 0:
+        return data["seconds"]
     seconds = measure_draft_cost(drafter, target, context)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "seconds": seconds}, indent=1) + "\n")
-    tmp.replace(path)
+    _write_cache(path, {"key": key, "seconds": seconds})
     return seconds
 
 
