@@ -147,7 +147,10 @@ def test_bad_training_input_gives_clear_errors(tiny_run, tmp_path, tiny_targets)
         (dict(tap_layers=[1, 9]), r"tapped layer ids \[9\] are out of range"),
         (dict(block_size=1), "block_size must be >= 2"),
         (dict(algorithm="medusa"), "unknown algorithm"),
+        (dict(device="tpu"), "device must be auto, cpu, cuda or cuda:N"),
     ]
+    if not torch.cuda.is_available():
+        cases.append((dict(device="cuda"), "sees no CUDA GPU"))
     for overrides, message in cases:
         with pytest.raises(DsparkError, match=message):
             Trainer(_cfg(tiny_run, tmp_path / "run", **overrides), progress=False)

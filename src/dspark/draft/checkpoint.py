@@ -28,7 +28,7 @@ _PROBE_ROWS = 16
 def target_probe(target_model) -> list[float]:
     """L2 norms of a few rows of the shared embedding and LM head: tells one target's weights from
     another's of the same shape, whatever the dtype they were loaded in."""
-    rows = torch.linspace(0, target_model.cfg.vocab_size - 1, _PROBE_ROWS).long()
+    rows = torch.linspace(0, target_model.cfg.vocab_size - 1, _PROBE_ROWS, device=target_model.device).long()
     norms = torch.cat([w[rows].float().norm(dim=-1) for w in (target_model.embed_tokens, target_model.lm_head)])
     return [float(f"{x:.6g}") for x in norms.tolist()]
 
@@ -83,7 +83,7 @@ def save_drafter(
     if target is not None:
         config["dspark_target_probe"] = target_probe(target.model)
     config.update(extra or {})
-    tensors = {k: v.to(dtype) if dtype else v for k, v in model.state_dict().items()}
+    tensors = {k: (v.to(dtype) if dtype else v).cpu() for k, v in model.state_dict().items()}
     _write_dir(Path(out), config, tensors)
     return Path(out)
 

@@ -11,6 +11,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dspark.errors import DsparkError
 
 ALGORITHMS = ("dspark", "dflash", "eagle3")
@@ -44,6 +46,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     autocast: str = "auto"  # auto (bf16 where the hardware has native bf16) | bf16 | off
+    device: str = "auto"  # auto (CUDA when available, else CPU) | cpu | cuda | cuda:N
     seed: int = 0
     # losses (DESIGN.md §4)
     ce_weight: float = 0.1
@@ -76,6 +79,15 @@ class TrainConfig:
             raise DsparkError("warmup_frac and val_fraction must be in [0, 1)")
         if self.autocast not in ("auto", "bf16", "off"):
             raise DsparkError(f"autocast must be auto, bf16 or off, got {self.autocast!r}")
+        if self.device != "auto":
+            try:
+                dev = torch.device(self.device)
+            except (RuntimeError, ValueError):
+                raise DsparkError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}") from None
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                raise DsparkError(f"device {self.device!r}: this PyTorch sees no CUDA GPU; set device = \"cpu\"")
+            if dev.type not in ("cpu", "cuda"):
+                raise DsparkError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.lr <= 0:
             raise DsparkError(f"lr must be > 0, got {self.lr}")
         return self

@@ -38,7 +38,7 @@ from dspark.train.data import Sample, is_validation, load_samples
 from dspark.train.losses import acceptance_sums, expected_tau, kd_loss_sums, position_weights, step_weights
 
 # Options a resumed run may change; anything else must match the checkpoint.
-RESUMABLE_CHANGES = {"steps", "checkpoint_every", "eval_every", "threads", "out"}
+RESUMABLE_CHANGES = {"steps", "checkpoint_every", "eval_every", "threads", "out", "device"}
 GROUP_STEPS = 16  # group_by_length sorts this many steps' sequences at a time
 
 
@@ -81,7 +81,9 @@ class Trainer:
         if cfg.batch_size % self.world:
             raise DsparkError(f"batch_size {cfg.batch_size} must be a multiple of the {self.world} processes")
 
-        self.target = load_target(cfg.target or None, dtype=torch.float32, require_tokenizer=False)
+        self.device = training_device(cfg.device)
+        on_cpu = self.device.type == "cpu"
+        self.target = load_target(cfg.target or None, dtype=torch.float32, pack=on_cpu, require_tokenizer=False)
         samples = load_samples(cfg.data)
         keep = [s for s in samples if len(s.prompt_ids) <= cfg.max_seq_len - 2]
         self.dropped_long = len(samples) - len(keep)
@@ -95,14 +97,17 @@ class Trainer:
         if not self.train_set:
             raise DsparkError(f"{cfg.data}: no training samples left after the validation split")
 
-        self.model = self._build_model()
+        self.model = self._build_model().to(self.device)
+        self.target.model.to(self.device)
         self.taps = tuple(self.model.cfg.target_layer_ids)
         self.slots = self.model.train_slots  # predictions per anchor: block slots or TTT steps
         if cfg.algorithm == "eagle3":
             self.weights_k = step_weights(self.slots, cfg.ttt_decay)
         else:
             self.weights_k = position_weights(self.slots, cfg.position_decay)
-        self.autocast = cfg.autocast == "bf16" or (cfg.autocast == "auto" and cpu_has_native_bf16())
+        self.weights_k = self.weights_k.to(self.device)
+        native_bf16 = cpu_has_native_bf16() if on_cpu else torch.cuda.is_bf16_supported()
+        self.autocast = cfg.autocast == "bf16" or (cfg.autocast == "auto" and native_bf16)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
         )
@@ -116,7 +121,11 @@ class Trainer:
         elif ckpt.exists():
             raise DsparkError(f"{self.out} already holds a training run; pass --resume to continue it, "
                               "or choose another `out`")
-        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 else self.model
+        if self.world == 1:
+            self.ddp = self.model
+        else:
+            ids = None if on_cpu else [self.device.index]
+            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
 
     # ---- setup ---------------------------------------------------------------------------
     def _build_model(self):
@@ -220,7 +229,8 @@ class Trainer:
         for i, (_, a) in enumerate(items):
             anchors[i, : len(a)] = torch.tensor(a, dtype=torch.long)
             valid[i, : len(a)] = True
-        pos = anchors[..., None] + torch.arange(g)  # input position of each slot; predicts pos + 1
+        ids, lengths, anchors, valid = (t.to(self.device) for t in (ids, lengths, anchors, valid))
+        pos = anchors[..., None] + torch.arange(g, device=self.device)  # input position of each slot; predicts pos + 1
         sup = valid[..., None] & (pos + 1 < lengths[:, None, None])
         gather = lambda t: t.gather(1, pos.clamp(max=S - 1).flatten(1)).view(b, A, g)  # noqa: E731
         labels = gather(torch.cat([ids[:, 1:], ids[:, :1]], dim=1))
@@ -231,7 +241,7 @@ class Trainer:
         hidden = out.hidden.gather(1, flat[..., None].expand(-1, -1, out.hidden.shape[-1])).view(b, A, g, -1)
         with torch.no_grad():
             target_logits = tm.logits(hidden[sup]).clone()  # [n_sup, V], a plain (non-inference) tensor
-        amp = torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+        amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
         with amp:
             logits, conf = model(out.taps, ids, anchors, tm.embed_tokens, tm.lm_head)
         w = (self.weights_k * sup).float()
@@ -307,11 +317,11 @@ class Trainer:
             ls = self._loss_sums(o)
             sums += torch.tensor([ls.total.item(), ls.ce.item(), ls.tv.item(), ls.conf.item()], dtype=torch.float64)
             total_w += float(o["w"].sum())
-            full = torch.zeros(*o["sup"].shape, o["target_logits"].shape[-1])
+            full = torch.zeros(*o["sup"].shape, o["target_logits"].shape[-1], device=self.device)
             full[o["sup"]] = o["target_logits"]
             s_, c_ = acceptance_sums(o["logits"].float().flatten(0, 1), full.flatten(0, 1), o["sup"].flatten(0, 1))
-            a_sum += s_
-            a_cnt += c_
+            a_sum += s_.cpu()
+            a_cnt += c_.cpu()
         self.model.train()
         alpha = (a_sum / a_cnt.clamp(min=1)).tolist()
         m = (sums / max(total_w, 1e-12)).tolist()
@@ -325,7 +335,7 @@ class Trainer:
                 tensors = {}
                 for i, p in enumerate(self.model.parameters()):
                     for k, v in self.optimizer.state.get(p, {}).items():
-                        tensors[f"{i}.{k}"] = torch.as_tensor(v).detach().clone()
+                        tensors[f"{i}.{k}"] = torch.as_tensor(v).detach().cpu().clone()
                 save_file(tensors, tmp / "optimizer.safetensors")
                 state = {"step": self.step, "config": self.cfg.to_dict(), "world_size": self.world,
                          "data_fingerprint": self.data_fingerprint()}
@@ -351,7 +361,9 @@ class Trainer:
         tensors = load_file(ckpt / "optimizer.safetensors")
         params = list(self.model.parameters())
         for i, p in enumerate(params):
-            entry = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.split(".", 1)[0] == str(i)}
+            # moments go to the parameter's device; AdamW keeps its 0-dim step counter on the CPU
+            entry = {k.split(".", 1)[1]: v.to(p.device) if v.dim() else v
+                     for k, v in tensors.items() if k.split(".", 1)[0] == str(i)}
             if entry:
                 self.optimizer.state[p] = entry
         self.step = int(state["step"])
@@ -400,6 +412,16 @@ class Trainer:
         if self.world > 1:
             dist.barrier()
         return val
+
+
+def training_device(name: str) -> torch.device:
+    """`auto`: this rank's CUDA GPU when one is visible (LOCAL_RANK under torchrun), else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(name)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return dev
 
 
 def _truncate_log(path: Path, step: int) -> None:
