@@ -1,5 +1,7 @@
 """Batched engine: every policy is lossless, whatever shares the batch."""
 
+import json
+
 import pytest
 import torch
 
@@ -99,7 +101,8 @@ def test_scheduled_sampling_keeps_the_target_distribution(tmp_path, policy, draf
         chosen.gate = None  # Algorithm 1 alone: every step drafts
     else:  # a given draft cost: the same decisions on any machine
         gate = _CountingGate(chosen, draft_s)
-        chosen.gate.probe_every = 2  # this random drafter never pays: probe often for a mix of steps
+        # this random drafter never pays: probe often, without back-off, for a mix of steps
+        chosen.gate.probe_every = chosen.gate.max_probe_every = chosen.gate.interval = 2
     engine = Engine(target, policy=chosen, max_batch=16, draft_model=drafter.model)
     n = 10_000
     done = engine.run([Request(TV_PROMPT, 3, params, seed=s) for s in range(n)])
@@ -171,22 +174,28 @@ def test_bench_serve_cli(tmp_path):
     ds = tmp_path / "p.jsonl"
     ds.write_text('{"turns": ["Name a fruit."]}\n{"turns": ["Count to three."]}\n')
     r = run_cli("bench", "serve", "--drafter", "prompt-lookup", "--policies", "ar,fixed:1,dspark", "--concurrency", "1,2",
-                "--requests", "2", "--max-new-tokens", "8", "--dataset", str(ds), "--out", str(tmp_path / "out"),
+                "--requests", "4", "--max-new-tokens", "8", "--dataset", str(ds), "--out", str(tmp_path / "out"),
                 "--dtype", "float32", env_extra={"DSPARK_CACHE_DIR": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr
     result = __import__("json").loads((tmp_path / "out" / "serve.json").read_text())
     assert [(x["concurrency"], x["policy"]) for x in result["rows"]] == [
         (c, p) for c in (1, 2) for p in ("ar", "fixed:1", "dspark")]
     assert all(x["throughput_tok_s"] > 0 and x["output_tokens"] > 0 for x in result["rows"])
+    assert [x["chunks"] for x in result["rows"]] == [2, 2, 2, 1, 1, 1]  # C = 1: 2 chunks of 2 requests
+    assert all(x["requests"] == 4 for x in result["rows"])
     assert (tmp_path / "out" / "pareto.png").stat().st_size > 0
-    # killed after two cells: the rerun (with one more policy) keeps them and measures only the rest
     journal = tmp_path / "out" / "journal.jsonl"
-    journal.write_text("".join(journal.read_text().splitlines(keepends=True)[:3]))
+    lines = journal.read_text().splitlines(keepends=True)
+    keys = [json.loads(line)["key"] for line in lines[1:]]
+    assert keys[:6] == [[1, "ar", 0], [1, "fixed:1", 0], [1, "dspark", 0],  # the second chunk rotates the order
+                        [1, "fixed:1", 1], [1, "dspark", 1], [1, "ar", 1]]
+    # killed after two chunks: the rerun (with one more policy) keeps them and measures only the rest
+    journal.write_text("".join(lines[:3]))
     r = run_cli("bench", "serve", "--drafter", "prompt-lookup", "--policies", "ar,fixed:1,dspark,fixed:2",
-                "--concurrency", "1,2", "--requests", "2", "--max-new-tokens", "8", "--dataset", str(ds), "--out",
+                "--concurrency", "1,2", "--requests", "4", "--max-new-tokens", "8", "--dataset", str(ds), "--out",
                 str(tmp_path / "out"), "--dtype", "float32", env_extra={"DSPARK_CACHE_DIR": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr
     again = __import__("json").loads((tmp_path / "out" / "serve.json").read_text())["rows"]
-    assert again[:2] == result["rows"][:2] and len(again) == 8
-    assert len(journal.read_text().splitlines()) == 1 + 8
+    assert len(again) == 8 and journal.read_text().splitlines(keepends=True)[:3] == lines[:3]
+    assert len(journal.read_text().splitlines()) == 1 + 4 * 2 + 4
     assert_clean_error(run_cli("bench", "serve", "--policies", "ar,warp", "--out", str(tmp_path / "x")), "unknown policy")

@@ -163,7 +163,8 @@ def test_hardware_aware_rule_is_lossless_and_stops_where_throughput_stops_rising
         drafter = make_random_dspark(target, "gated", block_size=6, std=0.3)
         drafter.sps = sps
         if draft_s is not None:
-            drafter.gate = DraftGate(sps, draft_seconds=lambda requests: draft_s, probe_every=3)
+            drafter.gate = DraftGate(sps, draft_seconds=lambda requests: draft_s, probe_every=3,
+                                     max_probe_every=3)
         rate = drafter.gate.step_rate(1) if drafter.gate else sps
         prompt = torch.randint(3, 128, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
         got = Decoder(target, drafter).generate(prompt, 40, params, seed=seed)

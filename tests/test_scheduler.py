@@ -140,6 +140,35 @@ def test_draft_gate_skips_drafting_that_does_not_pay_and_probes_again():
     for _ in range(10):  # now 3 tokens per drafting step: 3 / 75 ms beats 1 / 50 ms
         gate.record(1, True, 3, 3, 0.025)
     assert gate.should_draft(1)
+    with pytest.raises(DsparkError, match="probe_every"):
+        DraftGate(sps, probe_every=8, max_probe_every=4)
+
+
+def _probe_gaps(gate: DraftGate, committed: int, steps: int) -> list[int]:
+    """Skipped steps between drafting steps over `steps` steps, each drafting step committing `committed`."""
+    gaps, run = [], 0
+    for _ in range(steps):
+        if gate.should_draft(1):
+            gate.record(1, True, verified=3, committed=committed, draft_s=0.025)
+            gaps.append(run)
+            run = 0
+        else:
+            gate.record(1, False, 1, 1, 0.0)
+            run += 1
+    return gaps
+
+
+def test_draft_gate_backs_off_probing_a_drafter_that_never_pays():
+    sps = SPSTable((20.0,) * 9)
+    gate = DraftGate(sps, draft_seconds=lambda requests: 0.025, probe_every=4, max_probe_every=32)
+    assert _probe_gaps(gate, committed=1, steps=200) == [0, 4, 8, 16, 32, 32, 32, 32, 32]
+    # the drafter got good (3 tokens per 75 ms beat 1 per 50 ms): the probes find out (the running
+    # mean needs two), and from then on it drafts every step
+    gaps = _probe_gaps(gate, committed=3, steps=100)
+    assert max(gaps[:2]) <= 32 and gaps[2:] == [0] * (len(gaps) - 2) and len(gaps) > 30
+    # a bad phase after a good one: the waits start again from probe_every
+    gaps = _probe_gaps(gate, committed=1, steps=60)
+    assert gaps[-3:] == [4, 8, 16] and set(gaps[:-3]) == {0}
     assert gate.step_rate(1)(3) == pytest.approx(1 / (0.025 + 1 / 20))
     measured = DraftGate(sps)  # no given costs: running mean of measured draft passes
     assert measured.draft_cost(1) == 0.0

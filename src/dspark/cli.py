@@ -253,8 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="closed-loop load benchmark of every verification policy",
         description="Closed-loop clients at each concurrency (C requests always in flight) over evaluation "
         "prompts, every policy in the same run; writes OUT/serve.json, OUT/serve.md and OUT/pareto.png "
-        "(aggregate output tok/s vs per-user tok/s). Finished (concurrency, policy) cells are kept in "
-        "OUT/journal.jsonl: rerunning the same command after an interruption measures only the missing ones.",
+        "(aggregate output tok/s vs per-user tok/s). A level's requests run in up to four chunks with the "
+        "policies taking turns in rotated order, so that machine drift hits all alike. Finished chunks are "
+        "kept in OUT/journal.jsonl: rerunning the same command after an interruption measures only the "
+        "missing ones.",
     )
     bs.add_argument("--drafter", default="auto",
                     help="auto | none | prompt-lookup | PATH (default auto: the bundled drafter of the target, "

@@ -49,51 +49,75 @@ def engine_factory(target, drafter_spec: str | None, max_len: int | None = None)
 def bench_serve(target, drafter_spec, policies: list[str], levels: list[int], prompts: list[str], requests_per_level: int,
                 max_new_tokens: int, sps, temperature: float = 0.0, progress: bool = True,
                 journal_path: Path | None = None) -> dict:
-    """Every (concurrency, policy) cell in turn. With `journal_path`, finished cells are kept there
-    and a rerun with the same settings measures only the missing ones."""
+    """Every (concurrency, policy) cell. A level's requests run in up to four closed-loop chunks
+    (each at least 2 x concurrency requests); policies take turns chunk by chunk in rotated order,
+    so that machine drift hits all alike. With `journal_path`, finished chunks are kept there and a
+    rerun with the same settings measures only the missing ones."""
     drafter_spec = resolve_drafter_spec(drafter_spec, target)
     encoded = [target.encode_prompt(p) for p in prompts]
     make, label = engine_factory(target, drafter_spec, max(map(len, encoded)) + max_new_tokens + 1)
     settings = {"target": str(target.path), "dtype": str(target.model.dtype), "drafter": drafter_digest(str(drafter_spec)),
                 "requests": requests_per_level, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                "prompts": json_digest(encoded),
+                "prompts": json_digest(encoded), "chunking": "rotated chunks of max(2C, n/4)",
                 "sps": list(sps.values) if sps else None}
     journal = Journal(journal_path, settings) if journal_path else None
+    plan = {c: _chunks(max(requests_per_level, c), c) for c in levels}
+    bar = tqdm(total=sum(len(v) for v in plan.values()) * len(policies), desc="bench serve", unit="run",
+               disable=not progress)
     rows = []
-    total = len(levels) * len(policies)
-    bar = tqdm(total=total, desc="bench serve", unit="run", disable=not progress)
     for c in levels:
-        n = max(requests_per_level, c)
-        for spec in policies:
-            if journal and (c, spec) in journal.done:
-                rows.append(journal.done[(c, spec)])
+        parts: dict[str, list[dict]] = {spec: [] for spec in policies}
+        for k, ids in enumerate(plan[c]):
+            for spec in policies[k % len(policies):] + policies[: k % len(policies)]:
+                key = (c, spec, k)
+                if journal and key in journal.done:
+                    part = journal.done[key]
+                else:
+                    part = _run_chunk(make(parse_policy(spec, sps), c), encoded, ids, max_new_tokens, temperature)
+                    if journal:
+                        journal.add(key, part)
+                parts[spec].append(part)
                 bar.update(1)
-                continue
-            engine = make(parse_policy(spec, sps), c)
-            reqs = [Request(encoded[i % len(encoded)], max_new_tokens, SamplingParams(temperature), seed=i)
-                    for i in range(n)]
-            t0 = time.perf_counter()
-            engine.run(reqs)
-            wall = time.perf_counter() - t0
-            tokens = sum(len(r.token_ids) for r in reqs)
-            per_user = [(len(r.token_ids) - 1) / (r.finished_at - r.first_token_at)
-                        for r in reqs if len(r.token_ids) > 1 and r.finished_at > r.first_token_at]
-            rounds = [x for r in reqs for x in r.rounds]
-            rows.append({
-                "policy": spec, "concurrency": c, "requests": n, "output_tokens": tokens, "seconds": wall,
-                "throughput_tok_s": tokens / wall,
-                "per_user_tok_s": statistics.median(per_user) if per_user else 0.0,
-                "avg_verify_len": sum(x.drafted for x in rounds) / len(rounds) if rounds else 0.0,
-                "tau": sum(x.accepted + 1 for x in rounds) / len(rounds) if rounds else 0.0,
-                "engine_steps": engine.steps,
-            })
-            del engine  # its KV cache, before the next one is allocated
-            if journal:
-                journal.add((c, spec), rows[-1])
-            bar.update(1)
+        for spec in policies:
+            rows.append(_cell_row(spec, c, parts[spec]))
     bar.close()
     return {"drafter": label, "policies": policies, "concurrency": levels, "max_new_tokens": max_new_tokens,
             "temperature": temperature, "rows": rows, "sps": list(sps.values) if sps else None}
+
+
+def _chunks(n: int, concurrency: int) -> list[range]:
+    size = max(2 * concurrency, -(-n // 4))
+    return [range(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _run_chunk(engine: Engine, encoded, ids: range, max_new_tokens: int, temperature: float) -> dict:
+    reqs = [Request(encoded[i % len(encoded)], max_new_tokens, SamplingParams(temperature), seed=i) for i in ids]
+    t0 = time.perf_counter()
+    engine.run(reqs)
+    wall = time.perf_counter() - t0
+    rounds = [x for r in reqs for x in r.rounds]
+    return {
+        "requests": len(reqs), "output_tokens": sum(len(r.token_ids) for r in reqs), "seconds": wall,
+        "per_user_tok_s": [(len(r.token_ids) - 1) / (r.finished_at - r.first_token_at)
+                           for r in reqs if len(r.token_ids) > 1 and r.finished_at > r.first_token_at],
+        "rounds": len(rounds), "drafted": sum(x.drafted for x in rounds),
+        "committed": sum(x.accepted + 1 for x in rounds), "engine_steps": engine.steps,
+    }
+
+
+def _cell_row(policy: str, concurrency: int, parts: list[dict]) -> dict:
+    total = lambda key: sum(p[key] for p in parts)  # noqa: E731
+    per_user = [x for p in parts for x in p["per_user_tok_s"]]
+    rounds = total("rounds")
+    return {
+        "policy": policy, "concurrency": concurrency, "requests": total("requests"),
+        "output_tokens": total("output_tokens"), "seconds": total("seconds"),
+        "throughput_tok_s": total("output_tokens") / total("seconds"),
+        "per_user_tok_s": statistics.median(per_user) if per_user else 0.0,
+        "avg_verify_len": total("drafted") / rounds if rounds else 0.0,
+        "tau": total("committed") / rounds if rounds else 0.0,
+        "engine_steps": total("engine_steps"), "chunks": len(parts),
+    }
 
 
 def write_bench_report(result: dict, out: Path, command: str) -> None:

@@ -105,17 +105,22 @@ class DraftGate:
     Drafting pays when R·τ̄ / (t_draft + 1 / SPS(R·v̄)) ≥ R·SPS(R): τ̄ and v̄ are running means of
     tokens committed and positions computed per request over earlier drafting steps at R requests, t_draft
     the draft-pass seconds (given by `draft_seconds(R)`, else the running mean of measured ones).
-    After `probe_every` skipped steps it drafts once to refresh the estimates."""
+    After `probe_every` skipped steps it drafts once to refresh the estimates; each probe that finds
+    drafting still does not pay doubles that wait (up to `max_probe_every`), so a drafter that never
+    pays costs ever fewer probes, and a step that pays restores it."""
 
     def __init__(self, sps: SPSTable, draft_seconds: Callable[[int], float] | None = None,
-                 probe_every: int = 16, weight: float = 0.2):
+                 probe_every: int = 16, max_probe_every: int = 256, weight: float = 0.2):
+        if not 1 <= probe_every <= max_probe_every:
+            raise DsparkError(f"need 1 <= probe_every <= max_probe_every, got {probe_every}, {max_probe_every}")
         self.sps, self.draft_seconds = sps, draft_seconds
-        self.probe_every, self.weight = probe_every, weight
+        self.probe_every, self.max_probe_every, self.weight = probe_every, max_probe_every, weight
         self.reset()
 
     def reset(self) -> None:
         self.stats: dict[int, list[float]] = {}  # R -> [τ̄, v̄, measured t_draft]
         self.skipped = 0
+        self.interval = self.probe_every  # skipped steps before the next probe
 
     def draft_cost(self, requests: int) -> float:
         """Seconds a drafting pass over `requests` requests adds to a step (0 before any is seen)."""
@@ -125,10 +130,10 @@ class DraftGate:
         return stats[2] if stats else 0.0
 
     def should_draft(self, requests: int) -> bool:
-        stats = self.stats.get(requests)
-        if stats is None or self.skipped >= self.probe_every:
-            return True
-        tau, verify, _ = stats
+        return requests not in self.stats or self.skipped >= self.interval or self._pays(requests)
+
+    def _pays(self, requests: int) -> bool:
+        tau, verify, _ = self.stats[requests]
         tokens = min(self.sps.max_tokens, max(requests, round(requests * verify)))
         return tau / (self.draft_cost(requests) + 1.0 / self.sps(tokens)) >= self.sps(requests)
 
@@ -143,10 +148,15 @@ class DraftGate:
         if not drafted:
             self.skipped += 1
             return
+        probed = self.skipped >= self.interval
         self.skipped = 0
         new = [committed / requests, verified / requests, draft_s]
         old = self.stats.get(requests)
         self.stats[requests] = new if old is None else [o + self.weight * (n - o) for o, n in zip(old, new)]
+        if self._pays(requests):
+            self.interval = self.probe_every
+        elif probed:
+            self.interval = min(2 * self.interval, self.max_probe_every)
 
 
 class Policy:
