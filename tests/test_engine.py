@@ -199,3 +199,14 @@ def test_bench_serve_cli(tmp_path):
     assert len(again) == 8 and journal.read_text().splitlines(keepends=True)[:3] == lines[:3]
     assert len(journal.read_text().splitlines()) == 1 + 4 * 2 + 4
     assert_clean_error(run_cli("bench", "serve", "--policies", "ar,warp", "--out", str(tmp_path / "x")), "unknown policy")
+
+
+def test_per_user_speed_at_matched_throughput_interpolates_along_the_curve():
+    from dspark.serve.bench import per_user_at
+
+    rows = [{"policy": "dspark", "throughput_tok_s": t, "per_user_tok_s": u} for t, u in ((20, 20), (40, 10), (60, 5))]
+    rows.append({"policy": "fixed:1", "throughput_tok_s": 30, "per_user_tok_s": 8})
+    assert per_user_at(rows, "dspark", 30) == pytest.approx(15)
+    assert per_user_at(rows, "dspark", 50) == pytest.approx(7.5)
+    assert per_user_at(rows, "dspark", 60) == pytest.approx(5)
+    assert per_user_at(rows, "dspark", 70) is None and per_user_at(rows, "dspark", 10) is None

@@ -120,6 +120,42 @@ def _cell_row(policy: str, concurrency: int, parts: list[dict]) -> dict:
     }
 
 
+def per_user_at(rows: list[dict], policy: str, throughput: float) -> float | None:
+    """`policy`'s per-user tok/s at an aggregate `throughput`, interpolated linearly between its two
+    neighbouring measured concurrencies (None outside the range it reached)."""
+    pts = sorted((r["throughput_tok_s"], r["per_user_tok_s"]) for r in rows if r["policy"] == policy)
+    for (t0, u0), (t1, u1) in zip(pts, pts[1:]):
+        if t0 <= throughput <= t1:
+            return u0 if t1 == t0 else u0 + (u1 - u0) * (throughput - t0) / (t1 - t0)
+    return pts[0][1] if len(pts) == 1 and pts[0][0] == throughput else None
+
+
+def _comparison_lines(rows: list[dict], policies: list[str]) -> list[str]:
+    """The issue's two checks, when `dspark` ran: its throughput against the best other policy and
+    `ar` at each concurrency, and its per-user speed against `fixed:1` at matched throughput."""
+    if "dspark" not in policies or len(policies) < 2:
+        return []
+    cell = {(r["concurrency"], r["policy"]): r for r in rows}
+    out = ["", "## dspark against the other policies", "",
+           "| concurrency | dspark tok/s | best other | dspark / best other | dspark / ar |", "|---|---|---|---|---|"]
+    for c in sorted({r["concurrency"] for r in rows}):
+        mine = cell[(c, "dspark")]["throughput_tok_s"]
+        best = max((cell[(c, p)] for p in policies if p != "dspark"), key=lambda r: r["throughput_tok_s"])
+        ar = f"{mine / cell[(c, 'ar')]['throughput_tok_s']:.2f}" if (c, "ar") in cell else "—"
+        out.append(f"| {c} | {mine:.1f} | {best['policy']} {best['throughput_tok_s']:.1f} | "
+                   f"{mine / best['throughput_tok_s']:.2f} | {ar} |")
+    if "fixed:1" in policies:
+        out += ["", "Per-user speed at matched throughput: at each `fixed:1` point, dspark's per-user tok/s at the "
+                "same aggregate tok/s, interpolated along its own curve (— where its curve does not reach).", "",
+                "| fixed:1 concurrency | aggregate tok/s | fixed:1 per-user | dspark per-user | ratio |",
+                "|---|---|---|---|---|"]
+        for r in sorted((r for r in rows if r["policy"] == "fixed:1"), key=lambda r: r["concurrency"]):
+            u = per_user_at(rows, "dspark", r["throughput_tok_s"])
+            mine, ratio = ("—", "—") if u is None else (f"{u:.1f}", f"{u / r['per_user_tok_s']:.2f}")
+            out.append(f"| {r['concurrency']} | {r['throughput_tok_s']:.1f} | {r['per_user_tok_s']:.1f} | {mine} | {ratio} |")
+    return out
+
+
 def write_bench_report(result: dict, out: Path, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     result = dict(result, command=command)
@@ -131,6 +167,7 @@ def write_bench_report(result: dict, out: Path, command: str) -> None:
     for r in result["rows"]:
         lines.append(f"| {r['concurrency']} | {r['policy']} | {r['throughput_tok_s']:.1f} | {r['per_user_tok_s']:.1f} | "
                      f"{r['avg_verify_len']:.2f} | {r['tau']:.2f} | {r['engine_steps']} |")
+    lines += _comparison_lines(result["rows"], result["policies"])
     (out / "serve.md").write_text("\n".join(lines) + "\n")
 
     import matplotlib
@@ -145,7 +182,8 @@ def write_bench_report(result: dict, out: Path, command: str) -> None:
         for r in pts:
             ax.annotate(str(r["concurrency"]), (r["per_user_tok_s"], r["throughput_tok_s"]), fontsize=7)
     ax.set(xlabel="per-user tokens/s (median)", ylabel="aggregate output tokens/s",
-           title=f"throughput vs per-user speed ({result['drafter']}); labels: concurrency")
+           title=f"throughput vs per-user speed, drafter {Path(str(result['drafter'])).name}\n"
+                 "(point labels: concurrency)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "pareto.png", dpi=110)
