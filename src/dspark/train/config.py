@@ -81,13 +81,13 @@ class TrainConfig:
             raise DsparkError(f"autocast must be auto, bf16 or off, got {self.autocast!r}")
         if self.device != "auto":
             try:
-                dev = torch.device(self.device)
+                kind = torch.device(self.device).type
             except (RuntimeError, ValueError):
-                raise DsparkError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}") from None
-            if dev.type == "cuda" and not torch.cuda.is_available():
-                raise DsparkError(f"device {self.device!r}: this PyTorch sees no CUDA GPU; set device = \"cpu\"")
-            if dev.type not in ("cpu", "cuda"):
+                kind = None
+            if kind not in ("cpu", "cuda"):
                 raise DsparkError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+            if kind == "cuda" and not torch.cuda.is_available():
+                raise DsparkError(f"device {self.device!r}: this PyTorch sees no CUDA GPU; set device = \"cpu\"")
         if self.lr <= 0:
             raise DsparkError(f"lr must be > 0, got {self.lr}")
         return self
