@@ -100,6 +100,10 @@ def test_eval_runs_every_drafter_and_ar_on_the_same_prompts(smollm2_fp32, tmp_pa
     write_report(results, tmp_path / "out")
     for f in ("results.json", "report.md", "cond_accept.png", "reliability_rand.png", "threshold_sweep_rand.png"):
         assert (tmp_path / "out" / f).stat().st_size > 0
+    report = (tmp_path / "out" / "report.md").read_text().splitlines()
+    raw, sts = rnd["calibration"]["uncalibrated"]["ece"], rnd["calibration"]["ece"]
+    assert any(row.startswith("| rand | mini |") and f"{raw:.3f} → {sts:.3f}" in row for row in report)
+    assert any(row.startswith("| prompt-lookup | mini |") and row.endswith("| – | – | – |") for row in report)
     assert set(json.loads((tmp_path / "out" / "results.json").read_text())["runs"][0]) >= {
         "drafter", "dataset", "temperature", "prompts", "tau", "cond_accept", "verify_efficiency", "decode_tok_s",
         "ar_decode_tok_s", "speedup", "calibration"}
@@ -208,3 +212,18 @@ def test_eval_and_calibrate_cli(tmp_path, tiny_targets):
     ]:
         assert_clean_error(run_cli("eval", "--drafter", "prompt-lookup", "--out", str(tmp_path / "x"), *args), needle)
     assert_clean_error(run_cli("calibrate", "--drafter", "prompt-lookup", "--dataset", str(ds)), "prompt-lookup")
+
+
+def test_reliability_bins_pool_over_datasets_by_count_and_drop_thin_bins():
+    from dspark.eval.plots import MIN_BIN_COUNT, _pooled_bins
+
+    def cal(bins):
+        return {"per_position": [{"bins": bins}]}
+
+    a = cal([{"score": 0.31, "accept": 0.5, "count": 30}, {"score": 0.96, "accept": 1.0, "count": 2}])
+    b = cal([{"score": 0.33, "accept": 0.0, "count": 10}, {"score": 0.99, "accept": 1.0, "count": MIN_BIN_COUNT}])
+    (s, acc, n), (s_hi, acc_hi, n_hi) = _pooled_bins([a, b], 0)
+    assert n == 40 and s == pytest.approx((0.31 * 30 + 0.33 * 10) / 40) and acc == pytest.approx(15 / 40)
+    assert n_hi == MIN_BIN_COUNT + 2 and acc_hi == 1.0
+    assert s_hi == pytest.approx((0.96 * 2 + 0.99 * MIN_BIN_COUNT) / n_hi)
+    assert _pooled_bins([a], 0) == [(0.31, 0.5, 30)]  # the 2-round bin is too thin to draw

@@ -13,13 +13,13 @@ from typing import Sequence
 import torch
 
 from dspark.decode.generate import RoundRecord
-from dspark.eval.metrics import ece
+from dspark.eval.metrics import CALIBRATION_BINS, ece
 
 GRID = torch.logspace(-1.5, 1.5, 241).tolist()  # T from ~0.03 to ~32
 MIN_CLASS = 5  # fewer accepted (or rejected) rounds than this at a position: keep the previous T
 
 
-def fit_sts(rounds: Sequence[RoundRecord], positions: int, bins: int = 20) -> list[float]:
+def fit_sts(rounds: Sequence[RoundRecord], positions: int, bins: int = CALIBRATION_BINS) -> list[float]:
     """Per-position temperatures from rounds verified at full length (with confidence logits)."""
     data = [r for r in rounds if r.confidence_logits is not None]
     temps: list[float] = []

@@ -51,7 +51,10 @@ def survival_samples(
     return per
 
 
-def ece(scores: Sequence[float], labels: Sequence[int], bins: int = 20) -> float:
+CALIBRATION_BINS = 20  # equal-width score bins of ECE and the reliability diagrams
+
+
+def ece(scores: Sequence[float], labels: Sequence[int], bins: int = CALIBRATION_BINS) -> float:
     """Expected calibration error with equal-width bins."""
     if not scores:
         return float("nan")
@@ -66,7 +69,7 @@ def ece(scores: Sequence[float], labels: Sequence[int], bins: int = 20) -> float
     return total / len(scores)
 
 
-def reliability_bins(scores: Sequence[float], labels: Sequence[int], bins: int = 20) -> list[dict]:
+def reliability_bins(scores: Sequence[float], labels: Sequence[int], bins: int = CALIBRATION_BINS) -> list[dict]:
     """Non-empty equal-width bins: mean score, observed accept rate, count (a reliability diagram)."""
     s = torch.tensor(scores, dtype=torch.float64)
     y = torch.tensor(labels, dtype=torch.float64)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from dspark.eval.metrics import CALIBRATION_BINS
+
 
 def _plt():
     import matplotlib
@@ -13,6 +15,55 @@ def _plt():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+MIN_BIN_COUNT = 10  # reliability points from fewer rounds are noise
+
+
+def _pooled_bins(calibrations: list[dict], k: int) -> list[tuple[float, float, int]]:
+    """Position k's reliability bins (metrics.reliability_bins) merged over datasets, weighted by count:
+    (mean score, observed acceptance, rounds) for bins with at least MIN_BIN_COUNT rounds."""
+    pooled: dict[int, list[float]] = {}
+    for cal in calibrations:
+        for b in cal["per_position"][k]["bins"]:
+            bin_index = min(int(b["score"] * CALIBRATION_BINS), CALIBRATION_BINS - 1)
+            acc = pooled.setdefault(bin_index, [0, 0.0, 0.0])
+            acc[0] += b["count"]
+            acc[1] += b["score"] * b["count"]
+            acc[2] += b["accept"] * b["count"]
+    return [(s / n, a / n, n) for _, (n, s, a) in sorted(pooled.items()) if n >= MIN_BIN_COUNT]
+
+
+def _plot_reliability(plt, name: str, runs: list[dict], temps: list[float], out: Path) -> None:
+    """One row per temperature, one panel per block position with data; raw and STS-calibrated."""
+    positions = len(runs[0]["calibration"]["per_position"])
+    curves = {}
+    for temp in temps:
+        cals = [r["calibration"] for r in runs if r["temperature"] == temp]
+        for k in range(positions):
+            curves[temp, k] = [(label, _pooled_bins([c[key] if key else c for c in cals], k))
+                               for label, key in (("raw", "uncalibrated"), ("STS", None))]
+    shown = [k for k in range(positions) if any(curves[t, k][1][1] for t in temps)] or [0]
+    fig, axes = plt.subplots(len(temps), len(shown), figsize=(2.8 * len(shown), 2.9 * len(temps)),
+                             squeeze=False, sharex=True, sharey=True)
+    for row, temp in zip(axes, temps):
+        for ax, k in zip(row, shown):
+            for (label, pts), style in zip(curves[temp, k], ("x--", "o-")):
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, ms=3, lw=0.8, label=label)
+            ax.plot([0, 1], [0, 1], color="grey", lw=0.5)
+            n = sum(p[2] for p in curves[temp, k][1][1])
+            ax.set(title=f"T = {temp}, k = {k} ({n} rounds)", xlim=(0, 1), ylim=(0, 1))
+            ax.title.set_fontsize(9)
+        row[0].set_ylabel("observed prefix acceptance")
+    for ax in axes[-1]:
+        ax.set_xlabel("predicted survival")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"reliability of the prefix-survival product: {name}\n"
+                 f"(all datasets pooled; bins with >= {MIN_BIN_COUNT} rounds)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / f"reliability_{name}.png", dpi=110)
+    plt.close(fig)
 
 
 def plot_eval(results: dict, out: Path) -> None:
@@ -37,25 +88,7 @@ def plot_eval(results: dict, out: Path) -> None:
         return
     for name in sorted({r["drafter"] for r in calibrated}):
         runs = [r for r in calibrated if r["drafter"] == name]
-        positions = len(runs[0]["calibration"]["per_position"])
-        fig, axes = plt.subplots(1, positions, figsize=(2.6 * positions, 2.9), squeeze=False, sharey=True)
-        for k, ax in enumerate(axes[0]):
-            for label, key, style in (("raw", "uncalibrated", "x--"), ("STS", None, "o-")):
-                pts = []
-                for r in runs:
-                    cal = r["calibration"][key] if key else r["calibration"]
-                    pts += cal["per_position"][k]["bins"]
-                pts.sort(key=lambda b: b["score"])
-                if pts:
-                    ax.plot([b["score"] for b in pts], [b["accept"] for b in pts], style, ms=3, lw=0.8, label=label)
-            ax.plot([0, 1], [0, 1], color="grey", lw=0.5)
-            ax.set(title=f"k = {k}", xlabel="predicted survival", xlim=(0, 1), ylim=(0, 1))
-        axes[0][0].set_ylabel("observed prefix acceptance")
-        axes[0][0].legend(fontsize=7)
-        fig.suptitle(f"reliability of the prefix-survival product: {name} (all datasets and temperatures)")
-        fig.tight_layout()
-        fig.savefig(out / f"reliability_{name}.png", dpi=110)
-        plt.close(fig)
+        _plot_reliability(plt, name, runs, temps, out)
 
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for temp in temps:

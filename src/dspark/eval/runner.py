@@ -194,7 +194,7 @@ def _macro(name, temp, rows: list[dict]) -> dict:
             "speedup": mean("speedup"), "calibration": calibration}
 
 
-def write_report(results: dict, out: Path, rounds_for_plots=None) -> None:
+def write_report(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     cfg = results["config"]
@@ -204,13 +204,13 @@ def write_report(results: dict, out: Path, rounds_for_plots=None) -> None:
              "in rotating order; speedup = decode tok/s over AR's on the same prompts in the same run.", ""]
     for temp in cfg["temperatures"]:
         lines += [f"## T = {temp}", "",
-                  "| drafter | dataset | τ | verify eff. | decode tok/s | AR tok/s | speedup | ECE | AUC | Brier |",
+                  "| drafter | dataset | τ | verify eff. | decode tok/s | AR tok/s | speedup "
+                  "| ECE raw → STS | AUC raw → STS | Brier raw → STS |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["runs"]:
             if r["temperature"] != temp:
                 continue
-            c = r["calibration"] or {}
-            cal = " | ".join(f"{c[k]:.3f}" if k in c else "–" for k in ("ece", "auc", "brier"))
+            cal = _calibration_cells(r["calibration"])
             name = f"**{r['dataset']}**" if r["dataset"] == "macro" else r["dataset"]
             lines.append(f"| {r['drafter']} | {name} | {r['tau']:.2f} | {r['verify_efficiency']:.2f} | "
                          f"{r['decode_tok_s']:.1f} | {r['ar_decode_tok_s']:.1f} | {r['speedup']:.2f}x | {cal} |")
@@ -226,6 +226,14 @@ def write_report(results: dict, out: Path, rounds_for_plots=None) -> None:
     from dspark.eval.plots import plot_eval
 
     plot_eval(results, out)
+
+
+def _calibration_cells(calibration: dict | None) -> str:
+    """'raw → STS' per metric: the confidence head before and after its fitted temperatures."""
+    if not calibration:
+        return "– | – | –"
+    raw = calibration["uncalibrated"]
+    return " | ".join(f"{raw[k]:.3f} → {calibration[k]:.3f}" for k in ("ece", "auc", "brier"))
 
 
 def _max_positions(results, temp) -> int:
