@@ -37,22 +37,22 @@ def _pooled_bins(calibrations: list[dict], k: int) -> list[tuple[float, float, i
 def _plot_reliability(plt, name: str, runs: list[dict], temps: list[float], out: Path) -> None:
     """One row per temperature, one panel per block position with data; raw and STS-calibrated."""
     positions = len(runs[0]["calibration"]["per_position"])
-    curves = {}
+    raw, sts = {}, {}  # (temperature, position) -> pooled bins
     for temp in temps:
         cals = [r["calibration"] for r in runs if r["temperature"] == temp]
         for k in range(positions):
-            curves[temp, k] = [(label, _pooled_bins([c[key] if key else c for c in cals], k))
-                               for label, key in (("raw", "uncalibrated"), ("STS", None))]
-    shown = [k for k in range(positions) if any(curves[t, k][1][1] for t in temps)] or [0]
+            raw[temp, k] = _pooled_bins([c["uncalibrated"] for c in cals], k)
+            sts[temp, k] = _pooled_bins(cals, k)
+    shown = [k for k in range(positions) if any(sts[t, k] for t in temps)] or [0]
     fig, axes = plt.subplots(len(temps), len(shown), figsize=(2.8 * len(shown), 2.9 * len(temps)),
                              squeeze=False, sharex=True, sharey=True)
     for row, temp in zip(axes, temps):
         for ax, k in zip(row, shown):
-            for (label, pts), style in zip(curves[temp, k], ("x--", "o-")):
+            for label, pts, style in (("raw", raw[temp, k], "x--"), ("STS", sts[temp, k], "o-")):
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], style, ms=3, lw=0.8, label=label)
             ax.plot([0, 1], [0, 1], color="grey", lw=0.5)
-            n = sum(p[2] for p in curves[temp, k][1][1])
+            n = sum(p[2] for p in sts[temp, k])
             ax.set(title=f"T = {temp}, k = {k} ({n} rounds)", xlim=(0, 1), ylim=(0, 1))
             ax.title.set_fontsize(9)
         row[0].set_ylabel("observed prefix acceptance")
