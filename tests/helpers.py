@@ -19,7 +19,8 @@ def eval_prompts(name: str, n: int) -> list[str]:
 
 
 def make_tiny_hf_model(
-    family: str, out_dir: Path, tie: bool = False, vocab: int = 128, seed: int = 0, layers: int = 4, hidden: int = 64
+    family: str, out_dir: Path, tie: bool = False, vocab: int = 128, seed: int = 0, layers: int = 4, hidden: int = 64,
+    max_positions: int = 512,
 ) -> Path:
     """Write a random tiny HF checkpoint (safetensors) of a supported family; returns its directory."""
     import transformers
@@ -31,7 +32,7 @@ def make_tiny_hf_model(
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-6,
         tie_word_embeddings=tie,
         bos_token_id=1,

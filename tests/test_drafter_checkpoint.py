@@ -152,25 +152,30 @@ def _dspark(*args):
 
 
 def test_cli_draft_init_writes_a_loadable_drafter(tiny_targets, tiny, tmp_path):
-    name, path = tiny_targets[2]  # qwen2: attention biases in the draft layers too
+    name, path = tiny_targets[2]  # qwen2 target (q/k/v biases): the draft layers are still DeepSpec's Qwen3 ones
     r = _dspark("draft", "init", "--model", str(path), "--out", str(tmp_path / "d"), "--head", "rnn",
                 "--block-size", "5", "--layers", "2", "--tap-layers", "0,2", "--markov-rank", "12", "--copy-target-layers")
     assert r.returncode == 0, r.stderr
     assert "head rnn, block 5, 2 layer(s), taps [0, 2]" in r.stdout
     drafter = load_drafter_checkpoint(tmp_path / "d", tiny[name])
     assert drafter.cfg.markov_rank == 12 and drafter.cfg.enable_confidence_head
-    assert "layers.1.self_attn.q_proj.bias" in drafter.model.state_dict()
+    names = drafter.model.state_dict()
+    assert "layers.1.self_attn.q_norm.weight" in names and "layers.1.self_attn.q_proj.bias" not in names
     target_norm = tiny[name].model.norm
     assert not torch.equal(target_norm, torch.ones_like(target_norm))
     assert torch.equal(drafter.model.norm.weight, target_norm)  # starts from the target's final norm gains
     source = load_file(str(path / "model.safetensors"))  # layers: copies of the target's last two
     for i, layer in enumerate(drafter.model.layers):
         for name, p in layer.named_parameters():
-            assert torch.equal(p, source[f"model.layers.{2 + i}.{name}"]), name
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # the target has none: they start at 1
+                assert torch.equal(p, torch.ones_like(p)), name
+            else:
+                assert torch.equal(p, source[f"model.layers.{2 + i}.{name}"]), name
     r = _dspark("draft", "init", "--model", str(path), "--out", str(tmp_path / "e"), "--head", "none")
     assert r.returncode == 0, r.stderr
     cfg = json.loads((tmp_path / "e" / "config.json").read_text())
-    assert cfg["architectures"] == ["Qwen2DFlashModel"] and not cfg["enable_confidence_head"]
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["model_type"] == "qwen3"  # DeepSpec's DFlash naming
+    assert cfg["dspark_target_model_type"] == "qwen2" and cfg["markov_rank"] == 0 and not cfg["enable_confidence_head"]
 
     for args, message in [
         (["--tap-layers", "1,9"], "tapped layer ids [9] are out of range for a 4-layer target"),

@@ -67,6 +67,7 @@ def test_profile_measures_once_then_reloads(tiny_targets, tmp_path, monkeypatch)
     again, path2, fresh2 = load_or_measure(target, max_tokens=6, context=16, reps=2, progress=False)
     assert not fresh2 and path2 == path and again == table
     r = run_cli("profile", "--model", str(tiny_targets[0][1]), "--max-tokens", "6", "--context", "16", "--reps", "2",
+                "--dtype", "float32",  # the dtype cached above, whatever --dtype auto picks on this CPU
                 "--plot", str(tmp_path / "sps.png"), env_extra={"DSPARK_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert "cached" in r.stdout and (tmp_path / "sps.png").stat().st_size > 0
@@ -75,3 +76,28 @@ def test_profile_measures_once_then_reloads(tiny_targets, tmp_path, monkeypatch)
     assert_clean_error(run_cli("simulate", "--sps", "1:10", "--policy", "fixed:8", "--concurrency", "4",
                                "--steps", "5"), "beyond the SPS table")
     assert_clean_error(run_cli("simulate", "--sps", "1:10", "--policy", "magic"), "unknown policy")
+
+
+def test_profiles_fit_a_short_context_window(tmp_path, monkeypatch):
+    """A target with a 64-position window: SPS and draft-cost profiles clip their 256-token context,
+    record the clipped one, and `@dspark` decodes losslessly."""
+    from dspark.decode.generate import Decoder
+    from dspark.decode.sampling import SamplingParams
+    from dspark.draft.checkpoint import save_drafter
+    from dspark.draft.registry import load_drafter
+    from helpers import make_random_dspark, make_tiny_hf_model
+
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
+    target = load_target(make_tiny_hf_model("llama", tmp_path / "short", max_positions=64), dtype=torch.float32,
+                         require_tokenizer=False)
+    assert target.model.max_positions == 64
+    table, path, _ = load_or_measure(target, max_tokens=9, reps=1, progress=False)
+    assert table.max_tokens == 9 and json.loads(path.read_text())["key"]["context"] == 55
+    save_drafter(make_random_dspark(target, block_size=8).model, tmp_path / "d", target=target)
+    drafter = load_drafter(f"{tmp_path / 'd'}@dspark", target)
+    greedy = SamplingParams(temperature=0.0)
+    prompt = [5, 9, 17, 33, 2, 64, 11]
+    want = Decoder(target).generate(prompt, 40, greedy).token_ids
+    assert Decoder(target, drafter).generate(prompt, 40, greedy).token_ids == want
+    with pytest.raises(DsparkError, match="window is only 64 positions"):
+        load_or_measure(target, max_tokens=64)

@@ -56,7 +56,7 @@ class Decoder:
         self.target = target
         self.drafter = drafter
         taps = drafter.tap_layers if drafter else ()
-        bad = [t for t in taps if not 0 <= t < target.cfg.num_hidden_layers]
+        bad = [t for t in taps if not -1 <= t < target.cfg.num_hidden_layers]  # -1: the embedding output
         if bad:
             raise DsparkError(f"drafter taps layers {bad}, but the target has {target.cfg.num_hidden_layers} layers")
         self.taps = tuple(taps)

@@ -8,7 +8,10 @@ from dspark.errors import DsparkError
 from dspark.target.config import TargetConfig
 
 HEAD_TYPES = ("vanilla", "gated", "rnn", "none")  # "none" = DFlash mode (no sequential head)
+DRAFT_LAYERS = ("qwen3", "target")
+EMBEDDING_TAP = -1  # a tapped layer id that means the embedding output (DeepSpec's convention)
 _ARCH_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+_KINDS = ("DSparkModel", "DFlashModel", "Eagle3Model", "DSparkDraftModel")
 
 
 def default_tap_layers(num_target_layers: int, count: int = 5) -> list[int]:
@@ -22,15 +25,27 @@ def default_tap_layers(num_target_layers: int, count: int = 5) -> list[int]:
     return sorted({round(lo + i * (hi - lo) / (count - 1)) for i in range(count)})
 
 
-def _target_architecture(d: dict) -> str:
-    """HF architecture of the target a drafter config was made for (from its own architecture name)."""
-    for arch in d.get("architectures") or []:
+def _architecture_family(d: dict) -> str | None:
+    """The family prefix of a drafter's architecture name (`Qwen3DSparkModel` -> qwen3), or None for
+    `DSparkDraftModel` (vLLM's name, which leaves the family to `model_type`)."""
+    archs = d.get("architectures") or []
+    for arch in archs:
+        if arch == "DSparkDraftModel":
+            return None
         for family, prefix in _ARCH_PREFIX.items():
-            if arch.startswith(prefix) and arch.removeprefix(prefix) in ("DSparkModel", "DFlashModel", "Eagle3Model"):
-                return TargetConfig.hf_architecture(family)
-    if d.get("model_type") in _ARCH_PREFIX:
-        return TargetConfig.hf_architecture(d["model_type"])
-    raise DsparkError(f"not a dspark/DFlash drafter config (architectures={d.get('architectures')!r})")
+            if arch.startswith(prefix) and arch.removeprefix(prefix) in _KINDS:
+                return family
+    raise DsparkError(f"not a dspark / DeepSpec drafter config (architectures={archs!r})")
+
+
+def _target_family(d: dict) -> str:
+    """The family of the target a drafter config was made for: dspark records it apart from the
+    draft layer's architecture (a Qwen3-style drafter may serve a Llama target); DeepSpec's configs
+    are copies of their Qwen3 target's."""
+    family = d.get("dspark_target_model_type") or _architecture_family(d) or d.get("model_type")
+    if family not in _ARCH_PREFIX:
+        raise DsparkError(f"drafter config.json names an unsupported target family {family!r}")
+    return family
 
 
 @dataclasses.dataclass
@@ -45,11 +60,28 @@ class DraftConfig:
     mask_token_id: int = 0
     num_anchors: int = 32  # training default: anchors sampled per sequence
     kind: str = "dspark"  # dspark (parallel block drafter, incl. DFlash mode) | eagle3 (autoregressive)
+    # confidence on [h ; W1[prev]] (True) or on h alone; None = with the Markov input when there is one
+    confidence_head_with_markov: bool | None = None
+    # qwen3: DeepSpec's draft layer (q/k RMSNorm, biases only with attention_bias) whatever the target;
+    # target: the target family's own layer shape (dspark's first drafters; EAGLE-3). None = qwen3 for
+    # DSpark / DFlash, target for EAGLE-3
+    draft_layer: str | None = None
+    attention_bias: bool = False  # qwen3 draft layers: biases on q/k/v/o
 
     def __post_init__(self):
         L = self.target.num_hidden_layers
         if self.kind not in ("dspark", "eagle3"):
             raise DsparkError(f"unknown drafter kind {self.kind!r}")
+        if self.draft_layer is None:
+            self.draft_layer = "target" if self.kind == "eagle3" else "qwen3"
+        if self.kind == "eagle3" and self.draft_layer != "target":
+            raise DsparkError("an EAGLE-3 drafter uses the target's own layer shape (draft_layer = target)")
+        if self.draft_layer not in DRAFT_LAYERS:
+            raise DsparkError(f"unknown draft layer {self.draft_layer!r}; choose one of {', '.join(DRAFT_LAYERS)}")
+        if self.confidence_head_with_markov is None:
+            self.confidence_head_with_markov = self.enable_confidence_head and self.has_sequential_head
+        if self.confidence_head_with_markov and not (self.enable_confidence_head and self.has_sequential_head):
+            raise DsparkError("confidence_head_with_markov needs a confidence head and a sequential head")
         if self.kind == "eagle3" and (self.has_sequential_head or self.enable_confidence_head or self.num_hidden_layers != 1):
             raise DsparkError("an EAGLE-3 drafter has one layer and no sequential or confidence head")
         if self.block_size < 2:
@@ -62,9 +94,10 @@ class DraftConfig:
             raise DsparkError(f"markov rank must be >= 1 for a {self.markov_head_type} head, got {self.markov_rank}")
         if not self.target_layer_ids:
             raise DsparkError("a drafter needs at least one tapped target layer")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < L]
+        bad = [i for i in self.target_layer_ids if not EMBEDDING_TAP <= i < L]
         if bad:
-            raise DsparkError(f"tapped layer ids {bad} are out of range for a {L}-layer target (valid: 0..{L - 1})")
+            raise DsparkError(f"tapped layer ids {bad} are out of range for a {L}-layer target "
+                              f"(valid: 0..{L - 1}, or -1 for the embedding output)")
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             raise DsparkError(f"tapped layer ids repeat: {self.target_layer_ids}")
         if not 0 <= self.mask_token_id < self.target.vocab_size:
@@ -83,11 +116,31 @@ class DraftConfig:
     def dflash(self) -> bool:
         return not self.has_sequential_head and not self.enable_confidence_head
 
+    @property
+    def layer_qk_norm(self) -> bool:
+        """Whether the draft layers normalise queries and keys per head (RMSNorm before RoPE)."""
+        return self.draft_layer == "qwen3" or self.target.qk_norm
+
+    @property
+    def layer_qkv_bias(self) -> bool:
+        return self.attention_bias if self.draft_layer == "qwen3" else self.target.attention_bias
+
+    @property
+    def layer_o_bias(self) -> bool:
+        return self.attention_bias and self.draft_layer == "qwen3"
+
     def to_dict(self) -> dict:
+        """config.json. Qwen3-layer drafters are named as DeepSpec names them (`Qwen3DSparkModel`,
+        `model_type: qwen3`, DFlash mode included) and record the target's family apart."""
         t = self.target
-        kind = "Eagle3Model" if self.kind == "eagle3" else "DFlashModel" if self.dflash else "DSparkModel"
-        arch = _ARCH_PREFIX[t.family] + kind
         d = {k: v for k, v in t.to_hf_dict().items() if k not in ("architectures", "num_hidden_layers")}
+        if self.draft_layer == "qwen3" and self.kind == "dspark":
+            arch = "Qwen3DSparkModel"
+            d.update(model_type="qwen3", attention_bias=self.attention_bias, dspark_target_model_type=t.family,
+                     layer_types=["full_attention"] * self.num_hidden_layers)
+        else:
+            kind = "Eagle3Model" if self.kind == "eagle3" else "DFlashModel" if self.dflash else "DSparkModel"
+            arch = _ARCH_PREFIX[t.family] + kind
         d.update(
             architectures=[arch],
             block_size=self.block_size,
@@ -98,21 +151,28 @@ class DraftConfig:
             markov_rank=self.head_rank,
             markov_head_type=self.markov_head_type,
             enable_confidence_head=self.enable_confidence_head,
-            confidence_head_with_markov=self.enable_confidence_head and self.has_sequential_head,
+            confidence_head_with_markov=self.confidence_head_with_markov,
             num_anchors=self.num_anchors,
         )
+        if not self.has_sequential_head:
+            d.pop("markov_head_type")  # DeepSpec writes the head type only with a head (rank > 0)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "DraftConfig":
         try:
+            family = _target_family(d)
             target = TargetConfig.from_hf_dict(
-                dict(d, architectures=[_target_architecture(d)], num_hidden_layers=d["num_target_layers"])
+                dict(d, architectures=[TargetConfig.hf_architecture(family)], num_hidden_layers=d["num_target_layers"])
             )
             head = d.get("markov_head_type", "vanilla")
             rank = int(d.get("markov_rank", 0))
             if rank == 0:
                 head = "none"
+            kind = "eagle3" if any("Eagle3" in a for a in d.get("architectures") or []) else "dspark"
+            qwen3_layer = kind == "dspark" and _architecture_family(d) in (None, "qwen3")
+            confidence = bool(d.get("enable_confidence_head", False))
+            with_markov = d.get("confidence_head_with_markov")
             return cls(
                 target=target,
                 target_layer_ids=[int(i) for i in d["target_layer_ids"]],
@@ -120,10 +180,13 @@ class DraftConfig:
                 num_hidden_layers=int(d["num_hidden_layers"]),
                 markov_head_type=head,
                 markov_rank=rank,
-                enable_confidence_head=bool(d.get("enable_confidence_head", False)),
+                enable_confidence_head=confidence,
                 mask_token_id=int(d["mask_token_id"]),
                 num_anchors=int(d.get("num_anchors", 32)),
-                kind="eagle3" if any("Eagle3" in a for a in d.get("architectures") or []) else "dspark",
+                kind=kind,
+                confidence_head_with_markov=bool(with_markov) and confidence if with_markov is not None else None,
+                draft_layer="qwen3" if qwen3_layer else "target",
+                attention_bias=bool(d.get("attention_bias", False)) if qwen3_layer else False,
             )
         except KeyError as e:
             raise DsparkError(f"drafter config.json lacks the field {e.args[0]!r}") from None

@@ -43,15 +43,16 @@ class DraftAttention(nn.Module):
     `in_features` is the width of its input: the hidden size, or 2x for EAGLE-3's
     [embedding ; feature] input."""
 
-    def __init__(self, t: TargetConfig, in_features: int | None = None):
+    def __init__(self, cfg: DraftConfig, in_features: int | None = None):
         super().__init__()
+        t = cfg.target
         d_in = in_features or t.hidden_size
         self.nh, self.nkv, self.hd = t.num_attention_heads, t.num_key_value_heads, t.head_dim
-        self.q_proj = nn.Linear(d_in, self.nh * self.hd, bias=t.attention_bias)
-        self.k_proj = nn.Linear(d_in, self.nkv * self.hd, bias=t.attention_bias)
-        self.v_proj = nn.Linear(d_in, self.nkv * self.hd, bias=t.attention_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, t.hidden_size, bias=False)
-        if t.qk_norm:
+        self.q_proj = nn.Linear(d_in, self.nh * self.hd, bias=cfg.layer_qkv_bias)
+        self.k_proj = nn.Linear(d_in, self.nkv * self.hd, bias=cfg.layer_qkv_bias)
+        self.v_proj = nn.Linear(d_in, self.nkv * self.hd, bias=cfg.layer_qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, t.hidden_size, bias=cfg.layer_o_bias)
+        if cfg.layer_qk_norm:
             self.q_norm = RMSNorm(self.hd, t.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, t.rms_norm_eps)
         else:
@@ -94,9 +95,10 @@ class DraftMLP(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, t: TargetConfig):
+    def __init__(self, cfg: DraftConfig):
         super().__init__()
-        self.self_attn = DraftAttention(t)
+        t = cfg.target
+        self.self_attn = DraftAttention(cfg)
         self.mlp = DraftMLP(t)
         self.input_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps)
@@ -151,12 +153,14 @@ class DSparkModel(DraftModelBase):
         H = t.hidden_size
         self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, t.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(t) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(H, t.rms_norm_eps)
         self.markov_head = (
             SequentialHead(cfg.markov_head_type, t.vocab_size, H, cfg.markov_rank) if cfg.has_sequential_head else None
         )
-        self.confidence_head = ConfidenceHead(H, cfg.head_rank) if cfg.enable_confidence_head else None
+        self.confidence_head = (
+            ConfidenceHead(H, cfg.head_rank, cfg.confidence_head_with_markov) if cfg.enable_confidence_head else None
+        )
         self.reset_parameters()
 
     # ---- shared pieces -------------------------------------------------------------------------

@@ -27,7 +27,7 @@ class Eagle3Layer(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         t = cfg.target
-        self.self_attn = DraftAttention(t, in_features=2 * t.hidden_size)
+        self.self_attn = DraftAttention(cfg, in_features=2 * t.hidden_size)
         self.mlp = DraftMLP(t)
         self.input_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps)

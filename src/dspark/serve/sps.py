@@ -32,6 +32,15 @@ def _machine() -> str:
     return platform.processor() or platform.machine()
 
 
+def fit_context(target, context: int, tokens: int) -> int:
+    """The profiling context clipped so that `context + tokens` fits the target's window."""
+    room = target.model.max_positions - tokens
+    if room < 1:
+        raise DsparkError(f"cannot profile {tokens}-token forwards: the target's window is only "
+                          f"{target.model.max_positions} positions")
+    return min(context, room)
+
+
 def profile_key(target, max_tokens: int, context: int) -> dict:
     device = target.model.device
     return {
@@ -78,7 +87,9 @@ def measure_sps(target, max_tokens: int = 64, context: int = 256, reps: int = 5,
 def load_or_measure(target, max_tokens: int = 64, context: int = 256, reps: int = 5, force: bool = False,
                     progress: bool = True) -> tuple[SPSTable, Path, bool]:
     """The cached table for this setup, or a fresh measurement (then cached). Returns
-    (table, cache path, whether it was measured now)."""
+    (table, cache path, whether it was measured now). The context is clipped to the target's window
+    (the cache key records the context measured)."""
+    context = fit_context(target, context, max_tokens)
     key = profile_key(target, max_tokens, context)
     path = cache_file(key)
     data = None if force else _read_cache(path, key)
@@ -132,6 +143,7 @@ def measure_draft_cost(drafter, target, context: int = 256, reps: int = 10) -> f
 def load_or_measure_draft_cost(drafter, target, context: int = 256) -> float:
     """The cached draft-pass time of this drafter shape on this setup, or a fresh measurement.
     Cached (like SPS) so that decisions made from it, and seeded outputs, repeat run to run."""
+    context = fit_context(target, context, drafter.block_size)
     key = profile_key(target, drafter.num_draft_tokens, context)
     key["drafter"] = {"class": type(drafter).__name__, "params": sum(p.numel() for p in drafter.model.parameters()),
                       "taps": list(drafter.tap_layers)}

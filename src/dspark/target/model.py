@@ -77,7 +77,7 @@ class KVCache:
 @dataclasses.dataclass
 class ForwardOutput:
     hidden: torch.Tensor  # [B, q, H] final hidden state after the last norm
-    taps: torch.Tensor | None  # [B, q, m, H] outputs of the tapped decoder layers
+    taps: torch.Tensor | None  # [B, q, m, H] outputs of the tapped decoder layers (-1: the embedding)
 
 
 def _mkldnn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -254,8 +254,8 @@ class TargetModel(nn.Module):
         c = self.cfg
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         x = self.embed(input_ids)
-        tapped = []
         tap_set = set(taps)
+        tapped = {-1: x} if -1 in tap_set else {}  # -1: the embedding output (DeepSpec's convention)
         lin = self._linear
         for li, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
@@ -280,10 +280,7 @@ class TargetModel(nn.Module):
             gate, up = lin(h, layer.w_gate_up).chunk(2, dim=-1)
             x = x + lin(F.silu(gate) * up, layer.w_down)
             if li in tap_set:
-                tapped.append(x)
+                tapped[li] = x
         cache.lengths = start + num_new
-        taps_out = None
-        if taps:
-            by_layer = dict(zip(sorted(tap_set), tapped))
-            taps_out = torch.stack([by_layer[t] for t in taps], dim=2)
+        taps_out = torch.stack([tapped[t] for t in taps], dim=2) if taps else None
         return ForwardOutput(hidden=rms_norm(x, self.norm, c.rms_norm_eps), taps=taps_out)
