@@ -115,3 +115,27 @@ def test_default_drafter_is_the_shipped_one_and_lossless():
     stats = outs[drafter].stderr  # every block verified in full: τ shows the drafter is trained
     tau = float(stats.split("tau ")[1].split(",")[0])
     assert tau > 1.3, stats  # a random drafter stays at ~1.0
+
+
+def test_prompt_ids_in_token_ids_out_for_a_target_without_tokenizer(tiny_targets):
+    import torch
+
+    from dspark.decode.generate import Decoder
+    from dspark.decode.sampling import SamplingParams
+    from dspark.target.loading import load_target
+
+    model = str(dict(tiny_targets)["qwen3-tied"])  # no tokenizer files
+    base = ["generate", "--model", model, "--dtype", "float32", "--drafter", "prompt-lookup", "--max-new-tokens", "12"]
+    r = run_cli(*base, "--prompt-ids", "5,9,17,5,9", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    target = load_target(model, dtype=torch.float32, require_tokenizer=False)
+    want = Decoder(target).generate([5, 9, 17, 5, 9], 12, SamplingParams(temperature=0.0)).token_ids
+    assert out["token_ids"] == want and out["text"] is None
+    r = run_cli(*base, "--prompt-ids", "5,9,17,5,9")
+    assert r.returncode == 0 and r.stdout.strip() == ",".join(map(str, want)), r.stderr
+    assert_clean_error(run_cli(*base, "--prompt", "hi"), "no tokenizer files")
+    assert_clean_error(run_cli(*base, "--prompt-ids", "5,x"), "comma-separated token ids")
+    assert_clean_error(run_cli(*base, "--prompt-ids", "5,128"), "outside the vocabulary")
+    assert_clean_error(run_cli(*base, "--prompt-ids", "5", "--stop", "x"), "--stop needs one")
+    assert_clean_error(run_cli(*base, "--prompt-ids", "5", "--prompt", "hi"), "not allowed with")

@@ -110,7 +110,8 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_run, tmp_path):
 
 
 def test_torchrun_two_processes_follow_the_single_process_trajectory(tiny_run, tmp_path):
-    cfg = _cfg(tiny_run, tmp_path / "one", steps=8, eval_every=100, checkpoint_every=100)
+    # fp32 (autocast off): the 1e-5 bound is for fp32 sums; `auto` would train in bf16 on CPUs with bf16 units
+    cfg = _cfg(tiny_run, tmp_path / "one", steps=8, eval_every=100, checkpoint_every=100, autocast="off")
     toml = _write_toml(cfg, tmp_path / "train.toml")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     one = _dspark("train", "--config", str(toml), "--no-progress", env=env)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from dspark.errors import DsparkError
+from dspark.fsutil import check_writable
 
 MAIN_HELP = """\
 dspark: lossless speculative decoding for LLMs on the lean PyTorch runner.
@@ -53,7 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
         "stderr. Output is distributed exactly as the target's own sampling (token-identical "
         "at --temperature 0) whatever the drafter.",
     )
-    g.add_argument("--prompt", required=True, help="user message (rendered with the model's chat template)")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="user message (rendered with the model's chat template)")
+    src.add_argument("--prompt-ids", metavar="IDS",
+                     help="the prompt as comma-separated token ids, fed as they are (targets without a tokenizer too); "
+                     "the reply is printed as token ids")
     g.add_argument("--raw", action="store_true", help="feed --prompt as raw text, without the chat template")
     g.add_argument("--max-new-tokens", type=_positive_int, default=256, help="generation budget (default 256)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -92,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--block-size", type=_positive_int, default=8, help="draft tokens per block, γ (default 8)")
     init.add_argument("--layers", type=_positive_int, default=1, help="draft decoder layers (default 1)")
     init.add_argument("--tap-layers", default=None, metavar="IDS",
-                      help="comma-separated target layer ids to tap (default: 5 spread over the depth, never the last)")
+                      help="comma-separated target layer ids to tap, -1 = the embedding output (write "
+                      "--tap-layers=-1,4,8 then) (default: 5 spread over the depth, never the last)")
     init.add_argument("--markov-rank", type=_positive_int, default=32, help="rank r of the sequential head (default 32)")
     init.add_argument("--mask-token-id", type=int, default=None,
                       help="token id used for MASK slots (default: an unused row or an unused special token)")
@@ -105,12 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
     init.set_defaults(func=cmd_draft_init)
     exp = dsub.add_parser(
         "export",
-        help="copy a drafter adding the target's embedding and LM head (DeepSpec layout)",
-        description="Copy a drafter checkpoint and add `embed_tokens.weight` and `lm_head.weight` (copies of "
-        "the target's), as DeepSpec-style tools expect. dspark itself never needs them.",
+        help="copy a drafter in DeepSpec's layout (what vLLM loads) or the speculators package's",
+        description="Copy a drafter checkpoint for other tools. --layout deepspec (default): DeepSpec's own "
+        "layout (`Qwen3DSparkModel`, `model_type: qwen3`, the tensors plus copies of the target's "
+        "`embed_tokens.weight` and `lm_head.weight`), which vLLM and DeepSpec load. --layout speculators: the "
+        "`speculators` package's DSpark layout (the target's embedding and LM head are read back from the "
+        "target directory it names). dspark loads DeepSpec-layout checkpoints as they are.",
     )
     exp.add_argument("--drafter", required=True, help="drafter checkpoint directory")
     exp.add_argument("--out", required=True, help="output directory")
+    exp.add_argument("--layout", default="deepspec", choices=["deepspec", "speculators"],
+                     help="checkpoint layout to write (default deepspec)")
     _target_args(exp, dtype=False)
     exp.set_defaults(func=cmd_draft_export)
     conv = dsub.add_parser(
@@ -210,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--seed", type=int, default=0)
     _target_args(ca)
     ca.add_argument("--dry-run", action="store_true", help="report, but do not write the temperatures")
+    ca.add_argument("--out", default=None, metavar="DIR",
+                    help="write a calibrated copy of the drafter here instead of updating it in place")
     ca.set_defaults(func=cmd_calibrate)
 
     pr = sub.add_parser(
@@ -276,6 +289,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise DsparkError(f"--prompt-ids expects comma-separated token ids, got {text!r}") from None
+    if not ids:
+        raise DsparkError("--prompt-ids is empty; give at least one token id")
+    return ids
+
+
 def _tap_layers(text: str | None) -> list[int] | None:
     if text is None:
         return None
@@ -296,6 +319,7 @@ def cmd_draft_init(args) -> int:
     head = "vanilla" if args.head == "markov" else args.head
     confidence = args.confidence_head if args.confidence_head is not None else head != "none"
     taps = _tap_layers(args.tap_layers)
+    check_writable(args.out)
     target = load_target(args.model, dtype=torch.float32, pack=False, require_tokenizer=False)
     cfg = new_draft_config(
         target,
@@ -324,9 +348,10 @@ def cmd_draft_export(args) -> int:
     from dspark.draft.checkpoint import export_drafter
     from dspark.target.loading import load_target
 
+    check_writable(args.out)
     target = load_target(args.model, dtype=torch.float32, pack=False, require_tokenizer=False)
-    out = export_drafter(args.drafter, target, args.out)
-    print(f"wrote {out} (with embed_tokens.weight and lm_head.weight)")
+    out = export_drafter(args.drafter, target, args.out, args.layout)
+    print(f"wrote {out} ({args.layout} layout)")
     return 0
 
 
@@ -336,6 +361,7 @@ def cmd_draft_convert(args) -> int:
     from dspark.draft.checkpoint import convert_drafter
     from dspark.target.loading import load_target, parse_dtype
 
+    check_writable(args.out)
     target = load_target(args.model, dtype=torch.float32, pack=False, require_tokenizer=False)
     out = convert_drafter(args.drafter, target, args.out, parse_dtype(args.dtype))
     print(f"wrote {out} ({args.dtype})")
@@ -348,25 +374,34 @@ def cmd_generate(args) -> int:
     from dspark.decode.generate import Decoder
     from dspark.decode.sampling import SamplingParams
     from dspark.decode.streaming import TextStreamer
-    from dspark.draft.registry import load_drafter, resolve_drafter_spec
+    from dspark.draft.registry import check_drafter_spec, load_drafter, resolve_drafter_spec
     from dspark.target.loading import load_target, parse_dtype
 
     # validate everything cheap before loading the model
-    if not args.prompt.strip():
+    prompt_ids = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    if prompt_ids is None and not args.prompt.strip():
         raise DsparkError("the prompt is empty; pass some text with --prompt")
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     dtype = parse_dtype(args.dtype)
+    check_drafter_spec(args.drafter)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    target = load_target(args.model, dtype=dtype)
+    target = load_target(args.model, dtype=dtype, require_tokenizer=False)
+    if target.tokenizer is None and (prompt_ids is None or args.stop):
+        raise DsparkError(f"{target.path} has no tokenizer files (tokenizer.json / tokenizer_config.json): "
+                          f"{'--stop needs one' if prompt_ids is not None else 'pass the prompt as token ids with --prompt-ids'}")
     drafter_spec = resolve_drafter_spec(args.drafter, target, "full" if args.confidence_threshold is not None else "dspark")
     drafter = load_drafter(drafter_spec, target, args.num_draft_tokens, args.confidence_threshold)
-    prompt_ids = target.encode_prompt(args.prompt, chat=not args.raw)
+    if prompt_ids is None:
+        prompt_ids = target.encode_prompt(args.prompt, chat=not args.raw)
+    bad = [i for i in prompt_ids if not 0 <= i < target.cfg.vocab_size]
+    if bad:
+        raise DsparkError(f"--prompt-ids {bad[:5]} are outside the vocabulary (0..{target.cfg.vocab_size - 1})")
     decoder = Decoder(target, drafter)
 
     streamer = None
-    if not args.json:
+    if not args.json and args.prompt_ids is None:
         holdback = max((len(s) for s in args.stop), default=1) - 1
         streamer = TextStreamer(target.decode, lambda s: print(s, end="", flush=True), holdback)
     result = decoder.generate(
@@ -380,10 +415,14 @@ def cmd_generate(args) -> int:
     s = result.stats
     if args.json:
         stats = {k: getattr(s, k) for k in ("new_tokens", "rounds", "tau", "decode_tok_s", "prefill_s", "decode_s")}
-        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason, "stats": stats}))
+        text = result.text if target.tokenizer is not None else None
+        print(json.dumps({"text": text, "token_ids": result.token_ids, "finish_reason": result.finish_reason, "stats": stats}))
     else:
-        streamer.finish(result.text)
-        print()
+        if streamer:
+            streamer.finish(result.text)
+            print()
+        else:  # token ids in, token ids out
+            print(",".join(map(str, result.token_ids)))
         print(
             f"[dspark] {s.new_tokens} tokens, {s.rounds} rounds, tau {s.tau:.2f}, "
             f"decode {s.decode_tok_s:.1f} tok/s, prefill {s.prefill_s:.2f} s, "
@@ -405,6 +444,7 @@ def cmd_data_regenerate(args) -> int:
     dtype = parse_dtype(args.dtype)
     if not 0 <= args.skip_validation_fraction < 1:
         raise DsparkError("--skip-validation-fraction must be in [0, 1)")
+    check_writable(args.out, "file")
     prompts, seen = [], set()
     for path in args.prompts:
         for p in load_prompts(path):
@@ -434,6 +474,7 @@ def cmd_train(args) -> int:
         if getattr(args, key) is not None:
             overrides.append(f"{key}={getattr(args, key)}")
     cfg = load_config(args.config, overrides)
+    check_writable(cfg.out, what="run directory")
     trainer = Trainer(cfg, resume=args.resume, progress=not args.no_progress)
     val = trainer.run()
     if trainer.rank == 0:
@@ -457,6 +498,7 @@ def cmd_eval(args) -> int:
     for d in datasets:
         if not Path(d).is_file():
             raise DsparkError(f"dataset {d} does not exist")
+    check_writable(args.out)
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target(args.model, dtype=parse_dtype(args.dtype))
@@ -473,13 +515,15 @@ def cmd_calibrate(args) -> int:
 
     from dspark.decode.generate import Decoder
     from dspark.decode.sampling import SamplingParams
-    from dspark.draft.checkpoint import load_drafter_checkpoint, write_temperatures
+    from dspark.draft.checkpoint import convert_drafter, load_drafter_checkpoint, write_temperatures
     from dspark.eval import metrics
     from dspark.eval.calibration import fit_sts
     from dspark.eval.runner import load_eval_prompts
     from dspark.target.loading import load_target, parse_dtype
 
     params = SamplingParams(temperature=args.temperature)
+    if not args.dry_run:
+        check_writable(args.out or args.drafter, what="calibrated drafter")
     prompts = [p for d in args.dataset for p in load_eval_prompts(d)[: args.limit]]
     target = load_target(args.model, dtype=parse_dtype(args.dtype))
     drafter = load_drafter_checkpoint(args.drafter, target)
@@ -500,23 +544,28 @@ def cmd_calibrate(args) -> int:
         print(f"{k:8d}  {temps[k]:11.3f}  {b['ece']:10.4f}  {a['ece']:9.4f}  {a['auc']:.3f}")
     print(f"mean ECE {before['ece']:.4f} -> {after['ece']:.4f}, mean AUC {after['auc']:.3f}")
     if not args.dry_run:
-        write_temperatures(args.drafter, temps)
-        print(f"wrote confidence_temperatures to {Path(args.drafter) / 'config.json'}")
+        dest = args.drafter
+        if args.out:
+            dest = convert_drafter(args.drafter, target, args.out, drafter.model.dtype)  # a copy, then calibrated
+        write_temperatures(dest, temps)
+        print(f"wrote confidence_temperatures to {Path(dest) / 'config.json'}")
     return 0
 
 
 def cmd_profile(args) -> int:
     import torch
 
-    from dspark.serve.sps import load_or_measure, plot_sps
+    from dspark.serve.sps import fit_context, load_or_measure, plot_sps
     from dspark.target.loading import load_target, parse_dtype
 
+    check_writable(args.plot, "file", "plot")
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target(args.model, dtype=parse_dtype(args.dtype), require_tokenizer=False)
     table, path, fresh = load_or_measure(target, args.max_tokens, args.context, args.reps, args.force)
     print(f"SPS(B) for {target.path.name}, {str(target.model.dtype).removeprefix('torch.')}, "
-          f"{torch.get_num_threads()} threads ({'measured now' if fresh else 'cached'}: {path})")
+          f"{torch.get_num_threads()} threads, context {fit_context(target, args.context, args.max_tokens)} "
+          f"({'measured now' if fresh else 'cached'}: {path})")
     print("    B   steps/s   B x steps/s")
     for b, v in enumerate(table.values, 1):
         print(f"{b:5d} {v:9.2f} {b * v:13.1f}")
@@ -564,6 +613,7 @@ def cmd_bench_serve(args) -> int:
     for p in policies:  # validate names before loading anything
         parse_policy(p, SPSTable((1.0,)))
     prompts = [p for d in (args.dataset or default_datasets()) for p in load_eval_prompts(d)]
+    check_writable(args.out)
     target = load_target(args.model, dtype=parse_dtype(args.dtype))
     sps_max = args.sps_max_tokens or min(256, max(levels) * 9)
     sps, _, _ = load_or_measure(target, max_tokens=sps_max)
@@ -581,6 +631,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except DsparkError as e:
         print(f"dspark: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # e.g. a disk that fills up while writing
+        print(f"dspark: error: {e.strerror or e}{f': {e.filename}' if e.filename else ''}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("dspark: interrupted", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Atomic directory writes: readers see the old directory or the complete new one, never a mix."""
+"""Output paths: fail before any work when one cannot be written; atomic directory writes (readers
+see the old directory or the complete new one, never a mix)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,33 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
+
+from dspark.errors import DsparkError
+
+
+def check_writable(path: str | Path, kind: str = "directory", what: str = "output") -> Path:
+    """Fail with one clear line when `path` (a `kind` = directory or file to create or replace)
+    cannot be written: an existing path of the other kind, an ancestor that is a file, or an
+    ancestor directory where files cannot be created. Probes with a temporary file that it removes,
+    so nothing is left behind; parents are not created."""
+    path = Path(path).expanduser()
+    if path.exists():
+        if kind == "directory" and not path.is_dir():
+            raise DsparkError(f"{what} {path} exists and is not a directory; choose another path")
+        if kind == "file" and path.is_dir():
+            raise DsparkError(f"{what} {path} is a directory; give a file path")
+    probe = path if path.is_dir() else path.parent
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise DsparkError(f"cannot write {what} {path}: {probe} is a file, not a directory")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".dspark-write-check-", dir=probe)
+    except OSError as e:
+        raise DsparkError(f"cannot write {what} {path}: {probe}: {e.strerror}; choose a writable location") from None
+    os.close(fd)
+    os.unlink(tmp)
+    return path
 
 
 @contextlib.contextmanager

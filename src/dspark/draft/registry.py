@@ -49,6 +49,15 @@ def split_spec(spec: str) -> tuple[str, str]:
     return base, rule
 
 
+def check_drafter_spec(spec: str | None) -> None:
+    """Fail early (before a model loads) on a --drafter value that names nothing."""
+    if spec in (None, "auto", "none", "prompt-lookup"):
+        return
+    base, _ = split_spec(spec)
+    if not Path(base).expanduser().exists():
+        raise DsparkError(f"drafter {spec!r} is neither a known drafter ({DRAFTER_CHOICES}) nor an existing path")
+
+
 def drafter_digest(spec: str) -> str:
     """A drafter's identity for resumable runs: a checkpoint's config (calibration included) and
     weights with its verification rule, or the name of a model-free drafter."""
@@ -73,10 +82,9 @@ def load_drafter(
         raise DsparkError("--confidence-threshold needs a drafter with a confidence head")
     if spec == "prompt-lookup":
         return PromptLookupDrafter(num_draft_tokens or 4)
+    check_drafter_spec(spec)
     base, rule = split_spec(spec)
     path = Path(base).expanduser()
-    if not path.exists():
-        raise DsparkError(f"drafter {spec!r} is neither a known drafter ({DRAFTER_CHOICES}) nor an existing path")
     if rule.startswith("threshold:"):
         if confidence_threshold is not None:
             raise DsparkError(f"{spec!r} already sets a threshold; drop --confidence-threshold")
