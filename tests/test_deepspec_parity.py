@@ -28,7 +28,7 @@ BLOCK, RANK, MASK = 4, 8, 3
 OPTIONS = [
     ("gated", "gated", True, [0, 2]),
     ("rnn", "rnn", True, [1, 2]),
-    ("confidence-on-h", "vanilla", False, [0, 1, 2]),
+    ("confidence-on-h", "vanilla", False, [0, 1, 3]),  # 3: the last layer, after the final norm (HF)
     ("embedding-tap", "vanilla", True, [-1, 1, 2]),
     ("dflash", None, None, [0, 2]),
 ]

@@ -1,6 +1,8 @@
 """Batched engine: every policy is lossless, whatever shares the batch."""
 
 import json
+import math
+import statistics
 
 import pytest
 import torch
@@ -87,6 +89,23 @@ def test_batched_greedy_on_smollm2_with_prompt_lookup(smollm2_fp32):
     assert [r.token_ids for r in done] == want
 
 
+def _centre_confidence(drafter, target, sps, rows: int) -> None:
+    """Shift the confidence bias so that the first draft after TV_PROMPT is worth verifying in a batch
+    of `rows` for half of the anchors and not for the others (its survival a_0 straddles the first
+    admission's break-even R·(SPS(R) / SPS(R+1) − 1)): the policy then verifies sometimes, whatever
+    the random weights are."""
+    out = target.model(torch.tensor([TV_PROMPT]), target.model.new_cache(1, 16), taps=drafter.tap_layers)
+    drafter.begin(TV_PROMPT)
+    drafter.observe(TV_PROMPT, out.taps[0])
+    z0 = []
+    for anchor in range(target.cfg.vocab_size):
+        h, base = drafter.block_outputs(anchor, 1)
+        z0.append(float(drafter.run_heads(h, base, anchor, lambda logits: [0])[2][0]))
+    a_star = rows * (sps(rows) / sps(rows + 1) - 1)
+    with torch.no_grad():
+        drafter.model.confidence_head.proj.bias += math.log(a_star / (1 - a_star)) - statistics.median(z0)
+
+
 @pytest.mark.parametrize("policy, draft_s", [("dspark", None), ("dspark-async", None), ("dspark", 0.003)],
                          ids=["dspark", "dspark-async", "dspark-skipping-drafts"])
 def test_scheduled_sampling_keeps_the_target_distribution(tmp_path, policy, draft_s):
@@ -96,6 +115,7 @@ def test_scheduled_sampling_keeps_the_target_distribution(tmp_path, policy, draf
     drafter = make_random_dspark(target, "vanilla", block_size=3, rank=4, std=0.5)
     params = SamplingParams(temperature=1.0)
     sps = SPSTable(tuple(100.0 / (1 + 0.12 * (b - 1)) for b in range(1, 65)))
+    _centre_confidence(drafter, target, sps, rows=16)
     chosen = parse_policy(policy, sps)
     if draft_s is None:
         chosen.gate = None  # Algorithm 1 alone: every step drafts

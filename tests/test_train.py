@@ -57,7 +57,7 @@ def test_loss_falls_and_validation_tau_rises(tiny_run, tmp_path, algorithm):
     arch = json.loads((tmp_path / "run" / "final" / "config.json").read_text())["architectures"]
     if algorithm != "dspark":
         assert all(r["tv"] == 0 and r["conf"] == 0 for r in train)
-        assert arch == [{"dflash": "LlamaDFlashModel", "eagle3": "LlamaEagle3Model"}[algorithm]]
+        assert arch == [{"dflash": "Qwen3DSparkModel", "eagle3": "LlamaEagle3Model"}[algorithm]]  # DeepSpec's names
     if algorithm == "eagle3":
         assert len(val[-1]["val"]["alpha"]) == 7  # the training-time test unrolls 7 steps
 
@@ -167,6 +167,24 @@ def test_bad_training_input_gives_clear_errors(tiny_run, tmp_path, tiny_targets)
         Trainer(cfg, resume=True, progress=False)
     with pytest.raises(DsparkError, match=r"configuration changed \(lr"):
         Trainer(dataclasses.replace(cfg, lr=1e-4), resume=True, progress=False)
+
+
+def test_a_run_begun_with_the_target_shaped_layer_resumes_only_as_such(tiny_run, tmp_path):
+    """Runs saved before `draft_layer` existed used the target's own layer: resuming one under the new
+    default (DeepSpec's Qwen3 layer) is refused with the option to set; set back, it resumes."""
+    cfg = _cfg(tiny_run, tmp_path / "old", steps=3, checkpoint_every=1, draft_layer="target")
+    Trainer(dataclasses.replace(cfg, steps=2), progress=False).run()
+    state = tmp_path / "old" / "checkpoint" / "state.json"
+    saved = json.loads(state.read_text())
+    del saved["config"]["draft_layer"], saved["config"]["confidence_head_with_markov"]  # as written before
+    state.write_text(json.dumps(saved))
+    with pytest.raises(DsparkError, match="draft_layer: 'target' -> 'qwen3'.*--set draft_layer=target"):
+        Trainer(dataclasses.replace(cfg, draft_layer="qwen3"), resume=True, progress=False)
+    trainer = Trainer(cfg, resume=True, progress=False)
+    assert trainer.step == 2 and trainer.model.layers[0].self_attn.q_norm is None
+    trainer.run()
+    drafter = json.loads((tmp_path / "old" / "final" / "config.json").read_text())
+    assert drafter["architectures"] == ["LlamaDSparkModel"]
 
 
 def test_config_files_and_overrides(tmp_path):

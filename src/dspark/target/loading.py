@@ -153,7 +153,8 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
     sd = {}
     from tqdm import tqdm
 
-    for t in tqdm(reader.tensors, desc=f"dequantising {gguf_path.name} (once)", unit="tensor", leave=False):
+    for t in tqdm(reader.tensors, desc=f"dequantising {gguf_path.name} (once)", unit="tensor", leave=False,
+                  disable=None):  # None: shown on a terminal only (one-time, a few seconds)
         stem, kind = t.name.rsplit(".", 1)  # kind: weight | bias
         if stem in top:
             name = f"{top[stem]}.{kind}"

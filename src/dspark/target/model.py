@@ -77,7 +77,8 @@ class KVCache:
 @dataclasses.dataclass
 class ForwardOutput:
     hidden: torch.Tensor  # [B, q, H] final hidden state after the last norm
-    taps: torch.Tensor | None  # [B, q, m, H] outputs of the tapped decoder layers (-1: the embedding)
+    taps: torch.Tensor | None  # [B, q, m, H] HF hidden states of the tapped layers: -1 the embedding, i the
+    # output of decoder layer i (the last one after the final norm, as HF's hidden_states[-1] is)
 
 
 def _mkldnn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -282,5 +283,8 @@ class TargetModel(nn.Module):
             if li in tap_set:
                 tapped[li] = x
         cache.lengths = start + num_new
+        hidden = rms_norm(x, self.norm, c.rms_norm_eps)
+        if c.num_hidden_layers - 1 in tap_set:  # HF's last hidden state, which DeepSpec taps, is after the norm
+            tapped[c.num_hidden_layers - 1] = hidden
         taps_out = torch.stack([tapped[t] for t in taps], dim=2) if taps else None
-        return ForwardOutput(hidden=rms_norm(x, self.norm, c.rms_norm_eps), taps=taps_out)
+        return ForwardOutput(hidden=hidden, taps=taps_out)

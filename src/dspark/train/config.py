@@ -31,6 +31,8 @@ class TrainConfig:
     head: str = "vanilla"  # vanilla | gated | rnn (dspark only)
     markov_rank: int = 32
     confidence_head: bool = True
+    confidence_head_with_markov: bool = True  # confidence on [h ; W1[prev]] (False: on h alone)
+    draft_layer: str = "qwen3"  # qwen3: DeepSpec's draft layer | target: the target's own (dspark <= 0.1)
     tap_layers: list[int] = dataclasses.field(default_factory=list)  # [] = 5 spread over the depth
     mask_token_id: int = -1  # -1 = automatic
     copy_target_layers: bool = False  # start the draft layers as copies of the target's last layers
@@ -77,6 +79,8 @@ class TrainConfig:
             raise DsparkError(f"max_seq_len must be >= 4, got {self.max_seq_len}")
         if not 0 <= self.warmup_frac < 1 or not 0 <= self.val_fraction < 1:
             raise DsparkError("warmup_frac and val_fraction must be in [0, 1)")
+        if self.draft_layer not in ("qwen3", "target"):
+            raise DsparkError(f"draft_layer must be qwen3 or target, got {self.draft_layer!r}")
         if self.autocast not in ("auto", "bf16", "off"):
             raise DsparkError(f"autocast must be auto, bf16 or off, got {self.autocast!r}")
         if self.device != "auto":

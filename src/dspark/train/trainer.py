@@ -39,6 +39,7 @@ from dspark.train.losses import acceptance_sums, expected_tau, kd_loss_sums, pos
 
 # Options a resumed run may change; anything else must match the checkpoint.
 RESUMABLE_CHANGES = {"steps", "checkpoint_every", "eval_every", "threads", "out", "device"}
+ADDED_OPTIONS = {"draft_layer": "target", "confidence_head_with_markov": True}  # what runs saved before had
 GROUP_STEPS = 16  # group_by_length sorts this many steps' sequences at a time
 
 
@@ -154,8 +155,10 @@ class Trainer:
             markov_head_type=c.head if dspark else "none",
             markov_rank=c.markov_rank,
             enable_confidence_head=dspark and c.confidence_head,
+            confidence_head_with_markov=dspark and c.confidence_head and c.confidence_head_with_markov,
             mask_token_id=None if c.mask_token_id < 0 else c.mask_token_id,
             num_anchors=c.anchors_per_seq,
+            draft_layer=c.draft_layer,
         )
         torch.manual_seed(c.seed)
         model = DSparkModel(cfg)
@@ -348,11 +351,15 @@ class Trainer:
             state = json.loads((ckpt / "state.json").read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise DsparkError(f"{ckpt} is not a readable training checkpoint: {e}") from None
-        saved = state["config"]
+        saved = {**ADDED_OPTIONS, **state["config"]}
+        ignored = RESUMABLE_CHANGES | ({"draft_layer", "confidence_head_with_markov"}
+                                       if self.cfg.algorithm == "eagle3" else set())
         diff = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in self.cfg.to_dict().items()
-                if k not in RESUMABLE_CHANGES and saved.get(k) != v]
+                if k not in ignored and saved.get(k) != v]
         if diff:
-            raise DsparkError(f"cannot resume {ckpt}: the configuration changed ({'; '.join(diff)})")
+            raise DsparkError(f"cannot resume {ckpt}: the configuration changed ({'; '.join(diff)}); set the "
+                              "options back (e.g. --set draft_layer=target for a run begun before dspark used "
+                              "DeepSpec's draft layer) or start a new run")
         if state.get("data_fingerprint") not in (None, self.data_fingerprint()):
             raise DsparkError(f"cannot resume {ckpt}: {self.cfg.data} changed since the checkpoint (different "
                               "samples would be drawn); restore the file or start a new run")
