@@ -318,11 +318,13 @@ def export_drafter(path: str | Path, target, out: str | Path, layout: str = "dee
     path = Path(path).expanduser()
     model, raw = load_model(path, target)  # validates
     cfg = model.cfg
-    if cfg.kind != "dspark" or cfg.draft_layer != "qwen3":
+    if cfg.kind == "eagle3":
+        raise DsparkError(f"{path} is an EAGLE-3 drafter: only DSpark / DFlash drafters have a DeepSpec layout")
+    if cfg.draft_layer != "qwen3":
         raise DsparkError(
-            f"{path} has {cfg.target.family}-style draft layers (no q/k norms){' (EAGLE-3)' if cfg.kind == 'eagle3' else ''}: "
-            "DeepSpec, vLLM and speculators load only Qwen3-style DSpark / DFlash layers. Train a drafter made by "
-            "`dspark draft init` (Qwen3-style layers by default) to export it."
+            f"{path} has {cfg.target.family}-style draft layers (no q/k norms): DeepSpec, vLLM and speculators "
+            "load only Qwen3-style DSpark / DFlash layers. Train a drafter made by `dspark draft init` "
+            "(Qwen3-style layers by default) to export it."
         )
     tensors = upgrade_legacy_names(load_file(path / WEIGHTS))
     for name in SHARED_TENSORS:

@@ -11,7 +11,7 @@ HEAD_TYPES = ("vanilla", "gated", "rnn", "none")  # "none" = DFlash mode (no seq
 DRAFT_LAYERS = ("qwen3", "target")
 EMBEDDING_TAP = -1  # a tapped layer id that means the embedding output (DeepSpec's convention)
 _ARCH_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
-_KINDS = ("DSparkModel", "DFlashModel", "Eagle3Model", "DSparkDraftModel")
+_KINDS = ("DSparkModel", "DFlashModel", "Eagle3Model")  # after a family prefix: Qwen3DSparkModel, ...
 
 
 def default_tap_layers(num_target_layers: int, count: int = 5) -> list[int]:
