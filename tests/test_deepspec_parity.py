@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from helpers import make_random_dspark, make_tiny_hf_model
 from safetensors.torch import load_file, save_file
 
 from dspark.decode.generate import Decoder
@@ -21,7 +22,6 @@ from dspark.draft.config import DraftConfig
 from dspark.draft.dspark import DSparkModel
 from dspark.errors import DsparkError
 from dspark.target.loading import load_target
-from helpers import make_random_dspark, make_tiny_hf_model
 
 BLOCK, RANK, MASK = 4, 8, 3
 # (name, markov_head_type or None for rank 0, confidence_head_with_markov or None without the head, taps)

@@ -6,15 +6,15 @@ import sys
 
 import pytest
 import torch
+from helpers import make_random_dspark, make_tiny_hf_model
 from safetensors.torch import load_file, save_file
 
 from dspark.decode.sampling import SamplingParams
-from dspark.draft.checkpoint import export_drafter, load_drafter_checkpoint, load_model, save_drafter
 from dspark.draft import registry
+from dspark.draft.checkpoint import export_drafter, load_drafter_checkpoint, load_model, save_drafter
 from dspark.draft.registry import load_drafter
 from dspark.errors import DsparkError
 from dspark.target.loading import load_target
-from helpers import make_random_dspark, make_tiny_hf_model
 
 
 @pytest.fixture(scope="module")

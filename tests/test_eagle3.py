@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import eval_prompts, first_two_tokens_tv, make_random_eagle3
 
 from dspark.decode.generate import Decoder
 from dspark.decode.sampling import SamplingParams, probs_from_logits
@@ -9,7 +10,6 @@ from dspark.draft.checkpoint import save_drafter
 from dspark.draft.eagle3 import Eagle3Drafter
 from dspark.draft.registry import load_drafter
 from dspark.target.loading import load_target
-from helpers import eval_prompts, first_two_tokens_tv, make_random_eagle3
 
 
 @pytest.fixture(scope="module")

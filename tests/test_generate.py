@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from helpers import RandomDrafter, eval_prompts
 
 from dspark.decode.generate import Decoder
 from dspark.decode.sampling import SamplingParams
 from dspark.draft.prompt_lookup import PromptLookupDrafter
-from helpers import RandomDrafter, eval_prompts
 
 DATASETS = ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
 PROMPTS = [p for name in DATASETS for p in eval_prompts(name, 4)]  # 20 prompts

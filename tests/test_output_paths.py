@@ -5,11 +5,11 @@ import json
 
 import pytest
 import torch
+from helpers import EVAL_DIR, make_random_dspark
+from test_cli import assert_clean_error, run_cli
 
 from dspark.draft.checkpoint import save_drafter
 from dspark.target.loading import load_target
-from helpers import EVAL_DIR, make_random_dspark
-from test_cli import assert_clean_error, run_cli
 
 
 @pytest.fixture(scope="module")

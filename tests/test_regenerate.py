@@ -3,13 +3,13 @@
 import json
 
 import pytest
+from test_cli import assert_clean_error, run_cli
 
 from dspark.decode.generate import Decoder
 from dspark.decode.sampling import SamplingParams
 from dspark.errors import DsparkError
 from dspark.train.data import Prompt, is_validation, load_prompts
 from dspark.train.regenerate import regenerate
-from test_cli import assert_clean_error, run_cli
 
 
 def test_prompt_formats_dedup_and_errors(tmp_path):

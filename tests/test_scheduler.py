@@ -6,8 +6,15 @@ import random
 import pytest
 
 from dspark.errors import DsparkError
-from dspark.serve.scheduler import (
-    DraftGate, DSparkAsyncPolicy, SPSTable, dspark_lengths, lookback_lengths, parse_policy, top_k_lengths)
+from dspark.schedule.policies import (
+    DraftGate,
+    DSparkAsyncPolicy,
+    SPSTable,
+    dspark_lengths,
+    lookback_lengths,
+    parse_policy,
+    top_k_lengths,
+)
 
 
 class Recorded(list):

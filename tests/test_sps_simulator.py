@@ -4,13 +4,13 @@ import json
 
 import pytest
 import torch
+from test_cli import assert_clean_error, run_cli
 
 from dspark.errors import DsparkError
-from dspark.serve.scheduler import parse_policy
-from dspark.serve.simulator import simulate
-from dspark.serve.sps import load_or_measure, parse_sps
+from dspark.schedule.policies import parse_policy
+from dspark.schedule.simulator import simulate
+from dspark.schedule.sps import load_or_measure, parse_sps
 from dspark.target.loading import load_target
-from test_cli import assert_clean_error, run_cli
 
 SMOOTH = ",".join(f"{b}:{50 / (1 + 0.04 * (b - 1)):.3f}" for b in range(1, 81))
 # a jagged curve: kernel-size cliffs every 8 tokens, as CPU GEMM blocking produces
@@ -81,11 +81,12 @@ def test_profile_measures_once_then_reloads(tiny_targets, tmp_path, monkeypatch)
 def test_profiles_fit_a_short_context_window(tmp_path, monkeypatch):
     """A target with a 64-position window: SPS and draft-cost profiles clip their 256-token context,
     record the clipped one, and `@dspark` decodes losslessly."""
+    from helpers import make_random_dspark, make_tiny_hf_model
+
     from dspark.decode.generate import Decoder
     from dspark.decode.sampling import SamplingParams
     from dspark.draft.checkpoint import save_drafter
     from dspark.draft.registry import load_drafter
-    from helpers import make_random_dspark, make_tiny_hf_model
 
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
     target = load_target(make_tiny_hf_model("llama", tmp_path / "short", max_positions=64), dtype=torch.float32,

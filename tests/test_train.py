@@ -10,13 +10,13 @@ import time
 
 import pytest
 import torch
+from helpers import make_random_dspark, make_tiny_hf_model, make_tiny_regen_data
 from safetensors.torch import load_file
 
 from dspark.errors import DsparkError
 from dspark.target.loading import load_target
 from dspark.train.config import TrainConfig, load_config
 from dspark.train.trainer import Trainer
-from helpers import make_random_dspark, make_tiny_hf_model, make_tiny_regen_data
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from dspark.errors import DsparkError
-from dspark.fsutil import check_writable
+from dspark.util.files import check_writable
 
 MAIN_HELP = """\
 dspark: lossless speculative decoding for LLMs on the lean PyTorch runner.
@@ -486,10 +486,9 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     import torch
 
+    from dspark.decode.sampling import SamplingParams
     from dspark.eval.runner import default_datasets, evaluate, write_report
     from dspark.target.loading import load_target, parse_dtype
-
-    from dspark.decode.sampling import SamplingParams
 
     temps = args.temperature or [0.0]
     for t in temps:
@@ -555,7 +554,7 @@ def cmd_calibrate(args) -> int:
 def cmd_profile(args) -> int:
     import torch
 
-    from dspark.serve.sps import fit_context, load_or_measure, plot_sps
+    from dspark.schedule.sps import fit_context, load_or_measure, plot_sps
     from dspark.target.loading import load_target, parse_dtype
 
     check_writable(args.plot, "file", "plot")
@@ -575,9 +574,9 @@ def cmd_profile(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    from dspark.serve.scheduler import parse_policy
-    from dspark.serve.simulator import simulate
-    from dspark.serve.sps import parse_sps
+    from dspark.schedule.policies import parse_policy
+    from dspark.schedule.simulator import simulate
+    from dspark.schedule.sps import parse_sps
 
     sps = parse_sps(args.sps)
     try:
@@ -600,9 +599,9 @@ def cmd_simulate(args) -> int:
 
 def cmd_bench_serve(args) -> int:
     from dspark.eval.runner import default_datasets, load_eval_prompts
+    from dspark.schedule.policies import SPSTable, parse_policy
+    from dspark.schedule.sps import load_or_measure
     from dspark.serve.bench import bench_serve, write_bench_report
-    from dspark.serve.scheduler import SPSTable, parse_policy
-    from dspark.serve.sps import load_or_measure
     from dspark.target.loading import load_target, parse_dtype
 
     try:

@@ -8,7 +8,6 @@ and drops them. Every load validates the drafter against the target it is meant 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -19,7 +18,7 @@ from dspark.draft.config import DraftConfig, default_tap_layers
 from dspark.draft.dspark import DSparkDrafter, DSparkModel
 from dspark.draft.heads import upgrade_legacy_names
 from dspark.errors import DsparkError
-from dspark.fsutil import atomic_directory
+from dspark.util.files import atomic_directory, atomic_write_text
 
 WEIGHTS = "model.safetensors"
 SHARED_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # the target's, written only on export
@@ -240,9 +239,7 @@ def write_temperatures(path: str | Path, temperatures: list[float]) -> None:
     path = Path(path).expanduser()
     raw = read_config(path)
     raw["confidence_temperatures"] = [round(float(t), 6) for t in temperatures]
-    tmp = path / ".config.json.tmp"
-    tmp.write_text(json.dumps(raw, indent=2) + "\n")
-    os.replace(tmp, path / "config.json")
+    atomic_write_text(path / "config.json", json.dumps(raw, indent=2) + "\n")
 
 
 def convert_drafter(path: str | Path, target, out: str | Path, dtype: torch.dtype) -> Path:

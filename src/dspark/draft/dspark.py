@@ -22,7 +22,7 @@ from dspark.decode.sampling import SamplingParams
 from dspark.draft.base import DraftBlock, Drafter, token_picker
 from dspark.draft.config import DraftConfig
 from dspark.draft.heads import ConfidenceHead, SequentialHead, prefix_survival
-from dspark.serve.scheduler import DraftGate, SPSTable, dspark_lengths
+from dspark.schedule.policies import DraftGate, SPSTable, dspark_lengths
 from dspark.target.config import TargetConfig
 from dspark.target.model import apply_rope, rms_norm
 

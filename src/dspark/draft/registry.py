@@ -100,8 +100,8 @@ def load_drafter(
             raise DsparkError(f"{base} has no confidence head: the dspark verification rule needs one")
         if confidence_threshold is not None:
             raise DsparkError("the dspark verification rule and --confidence-threshold exclude each other")
-        from dspark.serve.scheduler import DraftGate
-        from dspark.serve.sps import load_or_measure, load_or_measure_draft_cost
+        from dspark.schedule.policies import DraftGate
+        from dspark.schedule.sps import load_or_measure, load_or_measure_draft_cost
 
         draft_s = load_or_measure_draft_cost(drafter, target)
         drafter.sps = load_or_measure(target, max_tokens=drafter.block_size + 1, progress=False)[0]

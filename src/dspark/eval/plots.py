@@ -6,13 +6,11 @@ import statistics
 from pathlib import Path
 
 from dspark.eval.metrics import CALIBRATION_BINS
+from dspark.util.plotting import pyplot
 
 
 def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     return plt
 

@@ -15,8 +15,8 @@ from dspark.decode.sampling import SamplingParams
 from dspark.draft.registry import drafter_digest, load_drafter, resolve_drafter_spec, split_spec
 from dspark.errors import DsparkError
 from dspark.eval import metrics
-from dspark.journal import Journal, json_digest
 from dspark.train.data import read_jsonl
+from dspark.util.journal import Journal, json_digest
 
 DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[3] / "data" / "eval"
 

@@ -16,9 +16,10 @@ from tqdm import tqdm
 
 from dspark.decode.sampling import SamplingParams
 from dspark.draft.registry import drafter_digest, resolve_drafter_spec
-from dspark.journal import Journal, json_digest
+from dspark.schedule.policies import parse_policy
 from dspark.serve.engine import Engine, Request
-from dspark.serve.scheduler import parse_policy
+from dspark.util.journal import Journal, json_digest
+from dspark.util.plotting import pyplot
 
 
 def engine_factory(target, drafter_spec: str | None, max_len: int | None = None):
@@ -170,10 +171,7 @@ def write_bench_report(result: dict, out: Path, command: str) -> None:
     lines += _comparison_lines(result["rows"], result["policies"])
     (out / "serve.md").write_text("\n".join(lines) + "\n")
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 5))
     for policy in result["policies"]:

@@ -25,8 +25,7 @@ from dspark.decode.verify import verify_chains
 from dspark.draft.base import Drafter
 from dspark.draft.heads import prefix_survival
 from dspark.errors import DsparkError
-from dspark.serve.scheduler import ARPolicy, Policy
-
+from dspark.schedule.policies import ARPolicy, Policy
 
 HEADROOM = 64  # extra cache columns for the padding of ragged verification rows (caps drafts per step)
 

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from dspark.errors import DsparkError
 from dspark.target.config import TargetConfig
 from dspark.target.model import TargetModel, cpu_has_native_bf16
+from dspark.util.cache import cache_root
 
 DEFAULT_MODEL = "smollm2"
 GGUF_FAMILIES = ("llama", "qwen2", "qwen3")
@@ -40,12 +41,6 @@ def parse_dtype(name: str) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise DsparkError(f"unknown dtype {name!r}; choose auto or one of {sorted(DTYPES)}") from None
-
-
-def cache_root() -> Path:
-    if os.environ.get("DSPARK_CACHE_DIR"):
-        return Path(os.environ["DSPARK_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dspark"
 
 
 def embedded_gguf_path() -> Path:

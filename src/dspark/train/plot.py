@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dspark.util.plotting import pyplot
+
 
 def plot_training(log_path: str | Path, png_path: str | Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     train, val = [], []
     for line in Path(log_path).read_text().splitlines():

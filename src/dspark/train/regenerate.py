@@ -9,7 +9,6 @@ its batch neighbours, and a resumed run skips the ids already in the output file
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -21,11 +20,11 @@ from tqdm import tqdm
 from dspark.decode.sampling import SamplingParams, probs_from_logits, sample
 from dspark.errors import DsparkError
 from dspark.train.data import Prompt
+from dspark.util.seeding import derived_generator
 
 
 def _prompt_generator(seed: int, prompt_id: str) -> torch.Generator:
-    digest = hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)
+    return derived_generator(seed, prompt_id)
 
 
 def finished_ids(out_path: Path) -> set[str]:

@@ -30,22 +30,18 @@ from dspark.draft.checkpoint import init_from_target, load_model, new_draft_conf
 from dspark.draft.dspark import DSparkModel
 from dspark.draft.eagle3 import Eagle3Model
 from dspark.errors import DsparkError
-from dspark.fsutil import atomic_directory
 from dspark.target.loading import load_target
 from dspark.target.model import cpu_has_native_bf16
 from dspark.train.config import TrainConfig
 from dspark.train.data import Sample, is_validation, load_samples
 from dspark.train.losses import acceptance_sums, expected_tau, kd_loss_sums, position_weights, step_weights
+from dspark.util.files import atomic_directory
+from dspark.util.seeding import derived_generator
 
 # Options a resumed run may change; anything else must match the checkpoint.
 RESUMABLE_CHANGES = {"steps", "checkpoint_every", "eval_every", "threads", "out", "device"}
 ADDED_OPTIONS = {"draft_layer": "target", "confidence_head_with_markov": True}  # what runs saved before had
 GROUP_STEPS = 16  # group_by_length sorts this many steps' sequences at a time
-
-
-def _seeded(*parts) -> torch.Generator:
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)
 
 
 def sample_anchors(sample: Sample, max_seq_len: int, count: int, gen: torch.Generator) -> list[int]:
@@ -176,12 +172,12 @@ class Trainer:
             perm = self._perm(epoch)
             s = self.train_set[int(perm[j])]
             out.append((s, sample_anchors(s, self.cfg.max_seq_len, self.cfg.anchors_per_seq,
-                                          _seeded(self.cfg.seed, "anchors", step, i))))
+                                          derived_generator(self.cfg.seed, "anchors", step, i))))
         return out
 
     def _perm(self, epoch: int) -> torch.Tensor:
         if self._perm_epoch != epoch:
-            gen = _seeded(self.cfg.seed, "epoch", epoch)
+            gen = derived_generator(self.cfg.seed, "epoch", epoch)
             perm = torch.randperm(len(self.train_set), generator=gen)
             if self.cfg.group_by_length:
                 perm = self._group_by_length(perm, gen)
@@ -314,7 +310,7 @@ class Trainer:
         bs = max(1, self.cfg.batch_size // self.world)
         for i in range(0, len(self.val_set), bs):
             items = [(s, sample_anchors(s, self.cfg.max_seq_len, self.cfg.anchors_per_seq,
-                                        _seeded(self.cfg.seed, "val", i + j)))
+                                        derived_generator(self.cfg.seed, "val", i + j)))
                      for j, s in enumerate(self.val_set[i : i + bs])]
             o = self.batch_outputs(items, self.model)
             ls = self._loss_sums(o)

@@ -14,7 +14,7 @@ import dataclasses
 import random
 
 from dspark.errors import DsparkError
-from dspark.serve.scheduler import Policy, SPSTable
+from dspark.schedule.policies import Policy, SPSTable
 
 
 @dataclasses.dataclass

@@ -17,9 +17,11 @@ from tqdm import tqdm
 
 from dspark.decode.sampling import SamplingParams
 from dspark.errors import DsparkError
-from dspark.journal import json_digest
-from dspark.serve.scheduler import SPSTable
-from dspark.target.loading import cache_root
+from dspark.schedule.policies import SPSTable
+from dspark.util.cache import cache_root
+from dspark.util.files import atomic_write_text
+from dspark.util.journal import json_digest
+from dspark.util.plotting import pyplot
 
 
 def _machine() -> str:
@@ -113,10 +115,7 @@ def _read_cache(path: Path, key: dict) -> dict | None:
 
 
 def _write_cache(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)  # atomic: a reader sees the old file or the new one
+    atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
 
 @torch.inference_mode()
@@ -178,11 +177,7 @@ def parse_sps(text: str) -> SPSTable:
 
 
 def plot_sps(table: SPSTable, png: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     b = list(range(1, table.max_tokens + 1))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     axes[0].plot(b, table.values, "o-", ms=3)

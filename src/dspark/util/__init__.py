@@ -1,0 +1,1 @@
+"""Shared plumbing every room uses: atomic files, resumable journals, cache dirs, seeds, plots."""
