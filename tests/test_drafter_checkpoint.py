@@ -14,6 +14,7 @@ from dspark.draft import registry
 from dspark.draft.checkpoint import export_drafter, load_drafter_checkpoint, load_model, save_drafter
 from dspark.draft.registry import load_drafter
 from dspark.errors import DsparkError
+from dspark.schedule.rules import load_speculation
 from dspark.target.loading import load_target
 
 
@@ -208,16 +209,19 @@ def test_verification_rule_suffix(tiny, tmp_path, monkeypatch):
     save_drafter(make_random_dspark(target, "vanilla", block_size=4).model, tmp_path / "d", target=target)
     save_drafter(make_random_dspark(target, "none", block_size=4, confidence=False).model, tmp_path / "bare", target=target)
     d = tmp_path / "d"
-    assert load_drafter(str(d), target).sps is None
-    hw = load_drafter(f"{d}@dspark", target)
-    assert hw.sps is not None and hw.sps.max_tokens == 5 and hw.confidence_threshold is None
+    assert load_speculation(str(d), target)[2].name == "full"  # a path alone: verify every draft
+    _, drafter, hw = load_speculation(f"{d}@dspark", target)
+    assert hw.name == "dspark" and hw.sps.max_tokens == 5 and drafter.block_size == 4
     cost = hw.gate.draft_cost(1)  # the draft pass, measured once and cached like SPS
     assert cost > 0 and len(list((tmp_path / "cache" / "sps").glob("draft-*.json"))) == 1
-    assert load_drafter(f"{d}@dspark", target).gate.draft_cost(1) == cost
-    assert load_drafter(f"{d}@threshold:0.4", target).confidence_threshold == 0.4
+    assert load_speculation(f"{d}@dspark", target)[2].gate.draft_cost(1) == cost
+    assert load_speculation(f"{d}@threshold:0.4", target)[2].c == 0.4
+    assert load_speculation(str(d), target, confidence_threshold=0.3)[2].c == 0.3
     for spec, message in [(f"{d}@warp", "unknown verification rule"), (f"{d}@threshold:x", "needs a number"),
                           (f"{tmp_path / 'bare'}@dspark", "no confidence head")]:
         with pytest.raises(DsparkError, match=message):
-            load_drafter(spec, target)
+            load_speculation(spec, target)
     with pytest.raises(DsparkError, match="exclude each other"):
-        load_drafter(f"{d}@dspark", target, confidence_threshold=0.5)
+        load_speculation(f"{d}@dspark", target, confidence_threshold=0.5)
+    _, drafter, policy = load_speculation("none", target)
+    assert drafter is None and policy.name == "ar"

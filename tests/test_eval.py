@@ -8,19 +8,21 @@ import torch
 from helpers import eval_prompts, make_random_dspark
 from test_cli import assert_clean_error, run_cli
 
-from dspark.decode.generate import Decoder, RoundRecord
+from dspark.decode.generate import Decoder
 from dspark.decode.sampling import SamplingParams
+from dspark.decode.step import Round
 from dspark.draft.checkpoint import save_drafter
 from dspark.errors import DsparkError
 from dspark.eval import metrics
 from dspark.eval.calibration import fit_sts
 from dspark.eval.runner import evaluate, write_report
+from dspark.schedule.policies import ThresholdPolicy
 from dspark.target.loading import load_target
 
 
 def test_metrics_on_hand_made_rounds():
-    rounds = [RoundRecord(4, 2, [2.0, 1.0, -1.0, 0.0]), RoundRecord(4, 4, [3.0, 2.0, 1.0, 1.0]),
-              RoundRecord(4, 0, [-2.0, 0.0, 0.0, 0.0]), RoundRecord(2, 1, [1.0, -3.0])]
+    rounds = [Round(4, 2, [2.0, 1.0, -1.0, 0.0]), Round(4, 4, [3.0, 2.0, 1.0, 1.0]),
+              Round(4, 0, [-2.0, 0.0, 0.0, 0.0]), Round(2, 1, [1.0, -3.0])]
     assert metrics.tau(rounds) == (3 + 5 + 1 + 2) / 4
     assert metrics.verify_efficiency(rounds) == 11 / (5 + 5 + 5 + 3)
     # k=0: all 4 rounds reach it, 3 accept; k=1: rounds 1,2,4 reach it, 2 accept; k=2: rounds 1,2 reach, 1 accepts;
@@ -49,7 +51,7 @@ def test_sts_lowers_ece_of_overconfident_scores_and_keeps_the_ranking():
         u = 1.5 * torch.randn(g, generator=gen) + 1.0  # true log-odds of each position surviving
         ok = torch.rand(g, generator=gen) < torch.sigmoid(u)
         accepted = int(ok.long().cumprod(0).sum())
-        rounds.append(RoundRecord(g, accepted, (3.0 * u).tolist()))  # reported 3x too confident
+        rounds.append(Round(g, accepted, (3.0 * u).tolist()))  # reported 3x too confident
     temps = fit_sts(rounds, g)
     before = metrics.calibration_report(rounds, g, None)
     after = metrics.calibration_report(rounds, g, temps)
@@ -76,7 +78,7 @@ def test_sts_keeps_the_previous_temperature_where_a_position_has_no_evidence():
     for _ in range(2000):
         u = 1.5 * torch.randn(4, generator=gen)
         accepted = int(torch.rand(1, generator=gen) < torch.sigmoid(u[0]))  # position 1+ never survives
-        rounds.append(RoundRecord(4, accepted, (2.0 * u).tolist()))
+        rounds.append(Round(4, accepted, (2.0 * u).tolist()))
     temps = fit_sts(rounds, 4)
     assert temps[0] > 1.2 and temps[1:] == [temps[0]] * 3, temps
 
@@ -139,14 +141,13 @@ def test_eval_journal_resumes_after_a_kill_and_refuses_other_settings(smollm2_fp
 def test_static_confidence_threshold_is_lossless_and_truncates(tiny_targets):
     target = load_target(tiny_targets[0][1], dtype=torch.float32, require_tokenizer=False)
     drafter = make_random_dspark(target, "gated", block_size=6, std=0.3)
-    drafter.confidence_threshold = 0.3
-    ar, spec = Decoder(target), Decoder(target, drafter)
+    ar, spec = Decoder(target), Decoder(target, drafter, ThresholdPolicy(0.3))
     drafted = []
     for seed in range(3):
         prompt = torch.randint(3, 128, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
         got = spec.generate(prompt, 40)
         assert got.token_ids == ar.generate(prompt, 40).token_ids
-        drafted += [r.drafted for r in got.rounds]
+        drafted += [r.verified for r in got.rounds]
         for r in got.rounds:  # every verified draft had prefix survival >= C
             assert all(a >= 0.3 for a in metrics.prefix_survival(r.confidence_logits or []))
     assert min(drafted) < 6 and max(drafted) > 0
@@ -157,7 +158,7 @@ def test_static_confidence_threshold_is_lossless_and_truncates(tiny_targets):
 def test_hardware_aware_rule_is_lossless_and_stops_where_throughput_stops_rising(tiny_targets, temperature, draft_s):
     """PATH@dspark for one request: verify d_k only while (1 + Σ a) / (t_draft + 1 / SPS(1 + ℓ)) still
     rises, and (with the gate) skip drafting in rounds where earlier rounds show it does not pay."""
-    from dspark.schedule.policies import DraftGate, SPSTable, dspark_lengths
+    from dspark.schedule.policies import DraftGate, DSparkPolicy, SPSTable, dspark_lengths
 
     target = load_target(tiny_targets[0][1], dtype=torch.float32, require_tokenizer=False)
     sps = SPSTable((50.0, 45.0, 44.0, 30.0, 29.0, 28.0, 20.0))  # jagged: cliffs after 1 and 3 drafts
@@ -165,22 +166,21 @@ def test_hardware_aware_rule_is_lossless_and_stops_where_throughput_stops_rising
     ar, drafted, skipped = Decoder(target), [], 0
     for seed in range(3):
         drafter = make_random_dspark(target, "gated", block_size=6, std=0.3)
-        drafter.sps = sps
-        if draft_s is not None:
-            drafter.gate = DraftGate(sps, draft_seconds=lambda requests: draft_s, probe_every=3,
-                                     max_probe_every=3)
-        rate = drafter.gate.step_rate(1) if drafter.gate else sps
+        policy = DSparkPolicy(sps)
+        policy.gate = None if draft_s is None else DraftGate(sps, draft_seconds=lambda requests: draft_s,
+                                                             probe_every=3, max_probe_every=3)
+        rate = policy.rate(1)
         prompt = torch.randint(3, 128, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
-        got = Decoder(target, drafter).generate(prompt, 40, params, seed=seed)
+        got = Decoder(target, drafter, policy).generate(prompt, 40, params, seed=seed)
         if temperature == 0:
             assert got.token_ids == ar.generate(prompt, 40).token_ids
         for r in got.rounds[:-1]:  # the last round has no budget left for drafts
             if r.confidence_logits is None:  # the gate skipped drafting this round
                 skipped += 1
                 continue
-            full = dspark_lengths([metrics.prefix_survival(r.confidence_logits)], rate)[0] if r.drafted else 0
-            assert r.drafted == full  # the rule's own choice (recorded logits are the verified prefix)
-            drafted.append(r.drafted)
+            full = dspark_lengths([metrics.prefix_survival(r.confidence_logits)], rate)[0] if r.verified else 0
+            assert r.verified == full  # the rule's own choice (recorded logits are the verified prefix)
+            drafted.append(r.verified)
     assert min(drafted) < 6 and max(drafted) > 0
     assert (skipped > 0) == (draft_s is not None)
 

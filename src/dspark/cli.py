@@ -374,7 +374,8 @@ def cmd_generate(args) -> int:
     from dspark.decode.generate import Decoder
     from dspark.decode.sampling import SamplingParams
     from dspark.decode.streaming import TextStreamer
-    from dspark.draft.registry import check_drafter_spec, load_drafter, resolve_drafter_spec
+    from dspark.draft.registry import check_drafter_spec
+    from dspark.schedule.rules import load_speculation
     from dspark.target.loading import load_target, parse_dtype
 
     # validate everything cheap before loading the model
@@ -391,14 +392,15 @@ def cmd_generate(args) -> int:
     if target.tokenizer is None and (prompt_ids is None or args.stop):
         raise DsparkError(f"{target.path} has no tokenizer files (tokenizer.json / tokenizer_config.json): "
                           f"{'--stop needs one' if prompt_ids is not None else 'pass the prompt as token ids with --prompt-ids'}")
-    drafter_spec = resolve_drafter_spec(args.drafter, target, "full" if args.confidence_threshold is not None else "dspark")
-    drafter = load_drafter(drafter_spec, target, args.num_draft_tokens, args.confidence_threshold)
+    drafter_spec, drafter, policy = load_speculation(
+        args.drafter, target, args.num_draft_tokens, args.confidence_threshold,
+        auto_rule="full" if args.confidence_threshold is not None else "dspark")
     if prompt_ids is None:
         prompt_ids = target.encode_prompt(args.prompt, chat=not args.raw)
     bad = [i for i in prompt_ids if not 0 <= i < target.cfg.vocab_size]
     if bad:
         raise DsparkError(f"--prompt-ids {bad[:5]} are outside the vocabulary (0..{target.cfg.vocab_size - 1})")
-    decoder = Decoder(target, drafter)
+    decoder = Decoder(target, drafter, policy)
 
     streamer = None
     if not args.json and args.prompt_ids is None:

@@ -1,4 +1,11 @@
-"""The drafter interface the decoding loops talk to."""
+"""The drafter interfaces the decode step talks to.
+
+`Drafter` drafts for one request at a time (prompt lookup, EAGLE-3, a DSpark model with its own
+context cache); `BatchDrafter` drafts for all rows of a batch, which is what the decode step calls:
+`PerRequestDrafters` adapts a factory of `Drafter`s, and `draft.batched.DSparkBatch` drafts every row
+in one pass. Drafters only propose (tokens, the exact probabilities they were sampled from,
+confidences) and observe committed context; how many drafts are verified is the policy's choice.
+"""
 
 from __future__ import annotations
 
@@ -30,6 +37,12 @@ class Drafter(abc.ABC):
 
     #: target decoder layers whose outputs `observe` needs (empty: none).
     tap_layers: tuple[int, ...] = ()
+    #: the most drafts one `propose` returns.
+    max_drafts: int = 8
+    #: per-position STS temperatures of the confidence logits (None: uncalibrated or no head).
+    temperatures: list[float] | None = None
+    #: whether `propose` returns confidence logits (rules that read survivals need them).
+    has_confidence: bool = False
 
     @abc.abstractmethod
     def begin(self, prompt_ids: list[int]) -> None: ...
@@ -58,3 +71,50 @@ def token_picker(params: SamplingParams, generator: torch.Generator):
         return sample(p, torch.rand(p.shape[0], generator=generator)).tolist()
 
     return pick, probs
+
+
+class BatchDrafter(abc.ABC):
+    """Drafts for the rows of a batch (cache rows). Per row: `start` once its prompt is prefilled,
+    then per step `propose` for the rows that draft and `observe` of each row's committed tokens."""
+
+    tap_layers: tuple[int, ...] = ()
+    max_drafts: int = 8
+    temperatures: list[float] | None = None
+
+    @abc.abstractmethod
+    def start(self, row: int, prompt_ids: list[int], taps: torch.Tensor | None) -> None:
+        """A request takes `row`; `taps` [len(prompt), m, H] are its prompt's tapped target features."""
+
+    @abc.abstractmethod
+    def propose(self, rows: list[int], anchors: list[int], budgets: list[int], params: list[SamplingParams],
+                generators: list[torch.Generator]) -> list[DraftBlock | None]:
+        """Up to `budgets[i]` drafts after `anchors[i]` for each row (None: no draft)."""
+
+    @abc.abstractmethod
+    def observe(self, row: int, tokens: list[int], taps: torch.Tensor | None) -> None:
+        """`tokens` of `row` were committed (the anchor and its accepted drafts)."""
+
+
+class PerRequestDrafters(BatchDrafter):
+    """One `Drafter` per row, made by `make_drafter` when a request takes the row."""
+
+    def __init__(self, make_drafter):
+        self.make_drafter = make_drafter
+        self._spare = make_drafter()  # the first row's drafter; it also tells the taps and limits
+        self.tap_layers = tuple(self._spare.tap_layers)
+        self.max_drafts = self._spare.max_drafts
+        self.temperatures = self._spare.temperatures
+        self.drafters: dict[int, Drafter] = {}
+
+    def start(self, row, prompt_ids, taps):
+        drafter, self._spare = self._spare or self.make_drafter(), None
+        drafter.begin(prompt_ids)
+        drafter.observe(list(prompt_ids), taps)
+        self.drafters[row] = drafter
+
+    def propose(self, rows, anchors, budgets, params, generators):
+        return [self.drafters[r].propose(a, n, p, g) if n > 0 else None
+                for r, a, n, p, g in zip(rows, anchors, budgets, params, generators)]
+
+    def observe(self, row, tokens, taps):
+        self.drafters[row].observe(tokens, taps)

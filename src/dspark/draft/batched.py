@@ -10,16 +10,18 @@ from __future__ import annotations
 import torch
 
 from dspark.decode.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
-from dspark.draft.base import DraftBlock
+from dspark.draft.base import BatchDrafter, DraftBlock
 from dspark.draft.dspark import DSparkModel
 
 
-class DSparkBatch:
-    def __init__(self, model: DSparkModel, target, slots: int, max_len: int):
+class DSparkBatch(BatchDrafter):
+    """`slots` rows of context K/V, each up to `max_len` positions; `temperatures`: STS calibration."""
+
+    def __init__(self, model: DSparkModel, target, slots: int, max_len: int, temperatures: list[float] | None = None):
         self.model = model.eval()
         self.target = target
         self.cfg = model.cfg
-        self.block_size = model.cfg.block_size
+        self.block_size = self.max_drafts = model.cfg.block_size
         self.tap_layers = tuple(model.cfg.target_layer_ids)
         attn = model.layers[0].self_attn
         shape = (slots, attn.nkv, max_len, attn.hd)
@@ -28,18 +30,18 @@ class DSparkBatch:
         self.lengths = [0] * slots
         self.pending: list[list[torch.Tensor]] = [[] for _ in range(slots)]  # taps not yet in the K/V
         self.max_len = max_len
-        self.temperatures: list[float] | None = None
+        self.temperatures = temperatures
         head = model.markov_head
         self._w2t = head.markov_w2.weight.t().contiguous() if head is not None else None
 
-    def reset(self, slot: int) -> None:
-        self.lengths[slot] = 0
-        self.pending[slot] = []
+    def start(self, row, prompt_ids, taps) -> None:
+        self.lengths[row] = 0
+        self.pending[row] = [taps]
 
-    def observe(self, slot: int, taps: torch.Tensor) -> None:
-        """Queue the committed positions' taps [n, m, H] of `slot`; their context K/V is computed at
-        the slot's next drafting pass, in one go (steps that skip drafting pay nothing for it)."""
-        self.pending[slot].append(taps)
+    def observe(self, row, tokens, taps) -> None:
+        """Queue the committed positions' taps [n, m, H] of `row`; their context K/V is computed at
+        the row's next drafting pass, in one go (steps that skip drafting pay nothing for it)."""
+        self.pending[row].append(taps)
 
     @torch.inference_mode()
     def _flush(self, slot: int) -> None:
@@ -57,6 +59,7 @@ class DSparkBatch:
     @torch.inference_mode()
     def propose(self, slots: list[int], anchors: list[int], budgets: list[int], params: list[SamplingParams],
                 generators: list[torch.Generator]) -> list[DraftBlock | None]:
+        """One backbone + LM-head pass over the blocks of all drafting rows (`slots`)."""
         rows = [i for i, n in enumerate(budgets) if n > 0]
         out: list[DraftBlock | None] = [None] * len(slots)
         if not rows:

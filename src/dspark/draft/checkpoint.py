@@ -211,23 +211,14 @@ def load_model(path: str | Path, target) -> tuple[DSparkModel, dict]:
     return model, raw
 
 
-def load_drafter_checkpoint(
-    path: str | Path, target, num_draft_tokens: int | None = None, confidence_threshold: float | None = None
-):
+def load_drafter_checkpoint(path: str | Path, target, num_draft_tokens: int | None = None):
     """A ready Drafter (DSpark / DFlash / EAGLE-3) from a checkpoint directory, with its calibration
-    temperatures; `confidence_threshold` verifies drafts only while their calibrated prefix
-    survival stays >= the threshold (drafters with a confidence head)."""
+    temperatures."""
     model, raw = load_model(path, target)
     g = model.cfg.block_size
     if num_draft_tokens is not None and num_draft_tokens > g:
         raise DsparkError(f"--num-draft-tokens {num_draft_tokens} exceeds the drafter's block size {g}")
     drafter = wrap_drafter(model, target, num_draft_tokens)
-    if confidence_threshold is not None:
-        if not model.cfg.enable_confidence_head:
-            raise DsparkError(f"{path} has no confidence head: --confidence-threshold needs one")
-        if not 0.0 <= confidence_threshold <= 1.0:
-            raise DsparkError(f"--confidence-threshold must be in [0, 1], got {confidence_threshold}")
-        drafter.confidence_threshold = confidence_threshold
     temps = raw.get("confidence_temperatures")
     if temps is not None:
         drafter.temperatures = [float(t) for t in temps]

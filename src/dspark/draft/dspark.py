@@ -21,8 +21,7 @@ from torch import nn
 from dspark.decode.sampling import SamplingParams
 from dspark.draft.base import DraftBlock, Drafter, token_picker
 from dspark.draft.config import DraftConfig
-from dspark.draft.heads import ConfidenceHead, SequentialHead, prefix_survival
-from dspark.schedule.policies import DraftGate, SPSTable, dspark_lengths
+from dspark.draft.heads import ConfidenceHead, SequentialHead
 from dspark.target.config import TargetConfig
 from dspark.target.model import apply_rope, rms_norm
 
@@ -249,7 +248,9 @@ class ModelDrafter(Drafter):
         self.cfg = model.cfg
         self.tap_layers = tuple(model.cfg.target_layer_ids)
         self.block_size = model.cfg.block_size
-        self.num_draft_tokens = min(num_draft_tokens or self.block_size, self.block_size)
+        self.num_draft_tokens = self.max_drafts = min(num_draft_tokens or self.block_size, self.block_size)
+        self.temperatures: list[float] | None = None  # STS calibration (DESIGN.md §6), from the checkpoint
+        self.has_confidence = model.cfg.enable_confidence_head
 
 
 class DSparkDrafter(ModelDrafter):
@@ -258,11 +259,6 @@ class DSparkDrafter(ModelDrafter):
     def __init__(self, model: DSparkModel, target, num_draft_tokens: int | None = None):
         super().__init__(model, target, num_draft_tokens)
         self._w2t: torch.Tensor | None = None
-        self.temperatures: list[float] | None = None  # STS calibration (DESIGN.md §6)
-        self.confidence_threshold: float | None = None  # static-threshold verification
-        self.sps: SPSTable | None = None  # hardware-aware verification (Algorithm 1 for one request)
-        self.gate: DraftGate | None = None  # with sps: skip drafting while it does not pay
-        self._proposed: int | None = None  # drafts of the round in flight (-1: skipped), for the gate
         self.begin([])
 
     def begin(self, prompt_ids: list[int]) -> None:
@@ -271,9 +267,6 @@ class DSparkDrafter(ModelDrafter):
         shape = (1, attn.nkv, 0, attn.hd)  # per layer [k, v] buffers [1, nkv, capacity, hd]
         self._kv = [[m.inv_freq.new_empty(shape, dtype=m.dtype) for _ in "kv"] for _ in m.layers]
         self.length = 0  # committed context positions held in the cache
-        self._proposed = None
-        if self.gate is not None:  # every request learns its own acceptance: output depends on it alone
-            self.gate.reset()
 
     @torch.inference_mode()
     def observe(self, tokens: list[int], taps: torch.Tensor | None) -> None:
@@ -288,11 +281,6 @@ class DSparkDrafter(ModelDrafter):
                     buf[i] = grown
                 buf[i][:, :, self.length : end] = t
         self.length = end
-        if self.gate is not None and self._proposed is not None:  # the round in flight is verified
-            drafted = self._proposed >= 0
-            self.gate.record(1, drafted, 1 + max(self._proposed, 0), len(tokens),
-                             self.gate.draft_cost(1) if drafted else 0.0)
-        self._proposed = None
 
     @torch.inference_mode()
     def block_outputs(self, anchor: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,27 +323,8 @@ class DSparkDrafter(ModelDrafter):
         conf = conf_head(h, torch.stack(embeds)) if conf_head is not None else None
         return tokens, torch.cat(rows), conf
 
-    def propose(
-        self, anchor: int, max_tokens: int, params: SamplingParams, generator: torch.Generator
-    ) -> DraftBlock | None:
-        if self.gate is not None and not self.gate.should_draft(1):  # decided from past rounds only
-            self._proposed = -1
-            return None
+    def propose(self, anchor: int, max_tokens: int, params: SamplingParams, generator: torch.Generator) -> DraftBlock:
         h, base = self.block_outputs(anchor, min(self.num_draft_tokens, max_tokens))
         pick, probs = token_picker(params, generator)
         tokens, _, conf = self.run_heads(h, base, anchor, pick)
-        p_d = torch.cat(probs) if probs else None
-        if conf is not None and (self.confidence_threshold is not None or self.sps is not None):
-            # a_k (calibrated prefix survival) depends on d_0..d_{k-1} only, never on d_k; both rules
-            # decide on d_k from a_k after deciding on d_{k-1} (stopping rules), which keeps
-            # verification lossless: verify while a_k >= C, or while adding d_k raises the
-            # expected tokens per second (1 + Σ a) · SPS(1 + ℓ) of the verify forward
-            a = prefix_survival(conf.float().tolist(), self.temperatures)
-            if self.sps is not None:
-                keep = dspark_lengths([a], self.gate.step_rate(1) if self.gate else self.sps)[0]
-            else:
-                keep = next((k for k, v in enumerate(a) if v < self.confidence_threshold), len(a))
-            tokens, conf = tokens[:keep], conf[:keep]
-            p_d = p_d[:keep] if p_d is not None else None
-        self._proposed = len(tokens)
-        return DraftBlock(tokens, p_d, None if conf is None else conf.float())
+        return DraftBlock(tokens, torch.cat(probs) if probs else None, None if conf is None else conf.float())

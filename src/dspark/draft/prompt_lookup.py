@@ -13,7 +13,7 @@ class PromptLookupDrafter(Drafter):
     def __init__(self, num_draft_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1):
         if num_draft_tokens < 1 or not (1 <= min_ngram <= max_ngram):
             raise DsparkError("prompt lookup needs num_draft_tokens >= 1 and 1 <= min_ngram <= max_ngram")
-        self.num_draft_tokens = num_draft_tokens
+        self.num_draft_tokens = self.max_drafts = num_draft_tokens
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.history: list[int] = []

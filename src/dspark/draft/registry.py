@@ -72,38 +72,19 @@ def drafter_digest(spec: str) -> str:
     return f"{h.hexdigest()[:16]}@{rule}"
 
 
-def load_drafter(
-    spec: str | None, target, num_draft_tokens: int | None = None, confidence_threshold: float | None = None
-) -> Drafter | None:
+def load_drafter(spec: str | None, target, num_draft_tokens: int | None = None) -> Drafter | None:
+    """The drafter a --drafter value names (its `@RULE` is the policy's business: `spec_rule`)."""
     spec = resolve_drafter_spec(spec, target)
     if spec in (None, "none"):
         return None
-    if confidence_threshold is not None and spec in ("prompt-lookup",):
-        raise DsparkError("--confidence-threshold needs a drafter with a confidence head")
     if spec == "prompt-lookup":
         return PromptLookupDrafter(num_draft_tokens or 4)
     check_drafter_spec(spec)
-    base, rule = split_spec(spec)
-    path = Path(base).expanduser()
-    if rule.startswith("threshold:"):
-        if confidence_threshold is not None:
-            raise DsparkError(f"{spec!r} already sets a threshold; drop --confidence-threshold")
-        try:
-            confidence_threshold = float(rule.partition(":")[2])
-        except ValueError:
-            raise DsparkError(f"threshold:C needs a number, got {rule!r}") from None
     from dspark.draft.checkpoint import load_drafter_checkpoint
 
-    drafter = load_drafter_checkpoint(path, target, num_draft_tokens, confidence_threshold)
-    if rule == "dspark":
-        if not getattr(drafter.cfg, "enable_confidence_head", False):
-            raise DsparkError(f"{base} has no confidence head: the dspark verification rule needs one")
-        if confidence_threshold is not None:
-            raise DsparkError("the dspark verification rule and --confidence-threshold exclude each other")
-        from dspark.schedule.policies import DraftGate
-        from dspark.schedule.sps import load_or_measure, load_or_measure_draft_cost
+    return load_drafter_checkpoint(Path(split_spec(spec)[0]).expanduser(), target, num_draft_tokens)
 
-        draft_s = load_or_measure_draft_cost(drafter, target)
-        drafter.sps = load_or_measure(target, max_tokens=drafter.block_size + 1, progress=False)[0]
-        drafter.gate = DraftGate(drafter.sps, draft_seconds=lambda requests: draft_s)
-    return drafter
+
+def spec_rule(spec: str | None) -> str:
+    """The verification rule of a (resolved) --drafter value: PATH@RULE's RULE, else full."""
+    return split_spec(spec)[1] if spec not in (None, "none", "prompt-lookup") else "full"

@@ -12,21 +12,21 @@ from typing import Sequence
 
 import torch
 
-from dspark.decode.generate import RoundRecord
+from dspark.decode.step import Round
 from dspark.eval.metrics import CALIBRATION_BINS, ece
 
 GRID = torch.logspace(-1.5, 1.5, 241).tolist()  # T from ~0.03 to ~32
 MIN_CLASS = 5  # fewer accepted (or rejected) rounds than this at a position: keep the previous T
 
 
-def fit_sts(rounds: Sequence[RoundRecord], positions: int, bins: int = CALIBRATION_BINS) -> list[float]:
+def fit_sts(rounds: Sequence[Round], positions: int, bins: int = CALIBRATION_BINS) -> list[float]:
     """Per-position temperatures from rounds verified at full length (with confidence logits)."""
     data = [r for r in rounds if r.confidence_logits is not None]
     temps: list[float] = []
     # running log prefix product of calibrated survivals per round, up to position k-1
     log_prefix = torch.zeros(len(data), dtype=torch.float64)
     for k in range(positions):
-        rows = [i for i, r in enumerate(data) if r.drafted > k and len(r.confidence_logits) > k]
+        rows = [i for i, r in enumerate(data) if r.verified > k and len(r.confidence_logits) > k]
         y = [int(data[i].accepted > k) for i in rows]
         best_t = temps[-1] if temps else 1.0
         if min(sum(y), len(y) - sum(y)) >= MIN_CLASS:  # else no evidence to fit: an ECE of 0 from all-0 scores

@@ -11,32 +11,32 @@ from typing import Iterable, Sequence
 
 import torch
 
-from dspark.decode.generate import RoundRecord
+from dspark.decode.step import Round
 from dspark.draft.heads import prefix_survival
 
 
-def tau(rounds: Sequence[RoundRecord]) -> float:
+def tau(rounds: Sequence[Round]) -> float:
     """Committed tokens per round, bonus token included."""
     return sum(r.accepted + 1 for r in rounds) / len(rounds) if rounds else 0.0
 
 
-def verify_efficiency(rounds: Sequence[RoundRecord]) -> float:
+def verify_efficiency(rounds: Sequence[Round]) -> float:
     """Committed tokens / tokens verified by the target."""
-    verified = sum(r.drafted + 1 for r in rounds)
+    verified = sum(r.verified + 1 for r in rounds)
     return sum(r.accepted + 1 for r in rounds) / verified if verified else 0.0
 
 
-def conditional_acceptance(rounds: Sequence[RoundRecord], positions: int) -> list[float | None]:
+def conditional_acceptance(rounds: Sequence[Round], positions: int) -> list[float | None]:
     """P(draft k accepted | drafts 0..k-1 accepted), over rounds that verified position k."""
     out = []
     for k in range(positions):
-        reached = [r for r in rounds if r.drafted > k and r.accepted >= k]
+        reached = [r for r in rounds if r.verified > k and r.accepted >= k]
         out.append(sum(r.accepted > k for r in reached) / len(reached) if reached else None)
     return out
 
 
 def survival_samples(
-    rounds: Iterable[RoundRecord], positions: int, temperatures: Sequence[float] | None = None
+    rounds: Iterable[Round], positions: int, temperatures: Sequence[float] | None = None
 ) -> list[tuple[list[float], list[int]]]:
     """Per block position k: (prefix-survival scores, binary labels 'positions 0..k all accepted')
     over rounds that verified position k and carry confidence logits."""
@@ -45,7 +45,7 @@ def survival_samples(
         if r.confidence_logits is None:
             continue
         a = prefix_survival(r.confidence_logits, temperatures)
-        for k in range(min(r.drafted, positions, len(a))):
+        for k in range(min(r.verified, positions, len(a))):
             per[k][0].append(a[k])
             per[k][1].append(int(r.accepted > k))
     return per
@@ -115,7 +115,7 @@ def brier(scores: Sequence[float], labels: Sequence[int]) -> float:
     return float(((s - y) ** 2).mean())
 
 
-def calibration_report(rounds: Sequence[RoundRecord], positions: int, temperatures=None) -> dict | None:
+def calibration_report(rounds: Sequence[Round], positions: int, temperatures=None) -> dict | None:
     """Per-position ECE / AUC / Brier of the prefix-survival product, and their means over the
     positions that have data. None when no round carries confidence logits."""
     per = survival_samples(rounds, positions, temperatures)
@@ -133,7 +133,7 @@ def calibration_report(rounds: Sequence[RoundRecord], positions: int, temperatur
     return {"per_position": rows, "ece": mean("ece"), "auc": mean("auc"), "brier": mean("brier")}
 
 
-def threshold_sweep(rounds: Sequence[RoundRecord], thresholds: Sequence[float], temperatures=None) -> list[dict]:
+def threshold_sweep(rounds: Sequence[Round], thresholds: Sequence[float], temperatures=None) -> list[dict]:
     """What a static confidence threshold would have done on rounds verified at full length:
     verify while a_k ≥ C; tokens committed per step and acceptance rate of the verified drafts."""
     out = []
@@ -142,7 +142,7 @@ def threshold_sweep(rounds: Sequence[RoundRecord], thresholds: Sequence[float], 
         for r in rounds:
             if r.confidence_logits is None:
                 continue
-            a = prefix_survival(r.confidence_logits[: r.drafted], temperatures)
+            a = prefix_survival(r.confidence_logits[: r.verified], temperatures)
             ell = next((k for k, v in enumerate(a) if v < c), len(a))
             acc = min(r.accepted, ell)
             committed += acc + 1

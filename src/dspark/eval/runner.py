@@ -10,11 +10,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dspark.decode.generate import Decoder, RoundRecord
+from dspark.decode.generate import Decoder
 from dspark.decode.sampling import SamplingParams
-from dspark.draft.registry import drafter_digest, load_drafter, resolve_drafter_spec, split_spec
+from dspark.decode.step import Round
+from dspark.draft.registry import drafter_digest, resolve_drafter_spec, split_spec
 from dspark.errors import DsparkError
 from dspark.eval import metrics
+from dspark.schedule.rules import load_speculation
 from dspark.train.data import read_jsonl
 from dspark.util.journal import Journal, json_digest
 
@@ -43,13 +45,13 @@ def default_datasets() -> list[Path]:
 
 @dataclasses.dataclass
 class RunAccumulator:
-    rounds: list[RoundRecord] = dataclasses.field(default_factory=list)
+    rounds: list[Round] = dataclasses.field(default_factory=list)
     tokens: int = 0  # decode-round tokens (prefill token excluded)
     decode_s: float = 0.0
     prompts: int = 0
 
     def add(self, record: dict) -> None:
-        self.rounds += [RoundRecord(*r) for r in record["rounds"]]
+        self.rounds += [Round(*r) for r in record["rounds"]]
         self.tokens += record["decode_tokens"]
         self.decode_s += record["decode_s"]
         self.prompts += 1
@@ -62,7 +64,7 @@ class RunAccumulator:
 def generation_record(result) -> dict:
     """What the report needs of one generation, as JSON (the journal's line)."""
     return {"decode_tokens": result.stats.new_tokens - 1, "decode_s": result.stats.decode_s,
-            "rounds": [[r.drafted, r.accepted, r.confidence_logits] for r in result.rounds]}
+            "rounds": [[r.verified, r.accepted, r.confidence_logits] for r in result.rounds]}
 
 
 def drafter_name(spec: str) -> str:
@@ -102,8 +104,8 @@ def evaluate(
         if name in engines:
             raise DsparkError(f"drafter {spec!r} given twice")
         threshold = confidence_threshold if spec not in ("prompt-lookup", "none") else None
-        drafters[name] = load_drafter(spec, target, None, threshold)
-        engines[name] = Decoder(target, drafters[name])
+        _, drafters[name], policy = load_speculation(spec, target, None, threshold)
+        engines[name] = Decoder(target, drafters[name], policy)
     settings = {"target": str(target.path), "dtype": str(target.model.dtype), "max_new_tokens": max_new_tokens,
                 "temperatures": temperatures, "seed": seed, "confidence_threshold": confidence_threshold,
                 "datasets": {ds: json_digest(p) for ds, p in prompt_sets.items()},
@@ -147,7 +149,7 @@ def evaluate(
 
 
 def _positions(drafter, rounds) -> int:
-    return getattr(drafter, "block_size", None) or max((r.drafted for r in rounds), default=0)
+    return getattr(drafter, "block_size", None) or max((r.verified for r in rounds), default=0)
 
 
 def _run_record(name, ds, temp, a: RunAccumulator, ar: RunAccumulator, drafter) -> dict:

@@ -170,6 +170,12 @@ class Policy:
     def should_draft(self, requests: int) -> bool:
         return self.drafts and (self.gate is None or self.gate.should_draft(requests))
 
+    def reset(self) -> None:
+        """Forget what earlier steps taught (a single request's decoder starts each request afresh, so
+        its output depends on that request alone)."""
+        if self.gate is not None:
+            self.gate.reset()
+
     def record_step(self, requests: int, drafted: bool, verified: int, committed: int, draft_s: float) -> None:
         if self.gate is not None:
             self.gate.record(requests, drafted, verified, committed, draft_s)
@@ -185,6 +191,16 @@ class ARPolicy(Policy):
 
     def lengths(self, survivals, drafted):
         return [0] * len(drafted)
+
+
+class VerifyAllPolicy(Policy):
+    """Verify every draft the drafter proposes (`PATH` / `PATH@full`)."""
+
+    name = "full"
+    needs_survivals = False
+
+    def lengths(self, survivals, drafted):
+        return list(drafted)
 
 
 class FixedPolicy(Policy):
@@ -243,6 +259,10 @@ class DSparkAsyncPolicy(DSparkPolicy):
         super().__init__(sps)
         self._history: list[list[list[float]]] = []  # survivals of the last two drafting steps
 
+    def reset(self) -> None:
+        super().reset()
+        self._history = []
+
     def lengths(self, survivals, drafted):
         rate = self.rate(len(drafted))
         if len(self._history) < 2:  # warm-up: the synchronous rule
@@ -256,11 +276,13 @@ class DSparkAsyncPolicy(DSparkPolicy):
 
 
 def parse_policy(spec: str, sps: SPSTable | None = None) -> Policy:
-    """ar | fixed:K | threshold:C | dspark | dspark-async."""
+    """ar | full | fixed:K | threshold:C | dspark | dspark-async."""
     name, _, arg = spec.partition(":")
     try:
         if name == "ar" and not arg:
             return ARPolicy()
+        if name == "full" and not arg:
+            return VerifyAllPolicy()
         if name == "fixed":
             return FixedPolicy(int(arg))
         if name == "threshold":
@@ -271,4 +293,23 @@ def parse_policy(spec: str, sps: SPSTable | None = None) -> Policy:
         if sps is None:
             raise DsparkError(f"policy {spec} needs an SPS table (run `dspark profile`)")
         return DSparkPolicy(sps) if name == "dspark" else DSparkAsyncPolicy(sps)
-    raise DsparkError(f"unknown policy {spec!r}; choose ar, fixed:K, threshold:C, dspark or dspark-async")
+    raise DsparkError(f"unknown policy {spec!r}; choose ar, full, fixed:K, threshold:C, dspark or dspark-async")
+
+
+class AcceptanceEstimate:
+    """Running per-position conditional acceptance: the survivals of drafters without a confidence head."""
+
+    def __init__(self, positions: int, prior: float = 0.5, weight: float = 0.02):
+        self.alpha = [prior] * positions
+        self.weight = weight
+
+    def survivals(self, n: int) -> list[float]:
+        out, run = [], 1.0
+        for k in range(n):
+            run *= self.alpha[min(k, len(self.alpha) - 1)]
+            out.append(run)
+        return out
+
+    def update(self, verified: int, accepted: int) -> None:
+        for k in range(min(verified, accepted + 1, len(self.alpha))):
+            self.alpha[k] += self.weight * (float(k < accepted) - self.alpha[k])

@@ -31,9 +31,8 @@ def engine_factory(target, drafter_spec: str | None, max_len: int | None = None)
     drafter = load_drafter(drafter_spec, target) if drafter_spec not in (None, "none") else None
     model = getattr(drafter, "model", None)
     if isinstance(model, DSparkModel):  # DSpark / DFlash: one batched drafting pass per step
-        temps = getattr(drafter, "temperatures", None)
         return (lambda policy, c: Engine(target, policy=policy, max_batch=c, max_len=max_len, draft_model=model,
-                                           temperatures=temps)), drafter_spec
+                                           temperatures=drafter.temperatures)), drafter_spec
     if drafter_spec == "prompt-lookup":
         from dspark.draft.prompt_lookup import PromptLookupDrafter
 
@@ -101,7 +100,7 @@ def _run_chunk(engine: Engine, encoded, ids: range, max_new_tokens: int, tempera
         "requests": len(reqs), "output_tokens": sum(len(r.token_ids) for r in reqs), "seconds": wall,
         "per_user_tok_s": [(len(r.token_ids) - 1) / (r.finished_at - r.first_token_at)
                            for r in reqs if len(r.token_ids) > 1 and r.finished_at > r.first_token_at],
-        "rounds": len(rounds), "drafted": sum(x.drafted for x in rounds),
+        "rounds": len(rounds), "drafted": sum(x.verified for x in rounds),
         "committed": sum(x.accepted + 1 for x in rounds), "engine_steps": engine.steps,
     }
 

@@ -1,0 +1,158 @@
+"""The decode step every loop runs: draft -> schedule -> verify -> commit, for a batch of rows.
+
+The single-request `Decoder` is this step with one row; the batched `Engine` adds slots and
+admission around it; `dspark eval` and regeneration run on those two. One step:
+  1. draft: unless the policy (from past steps only) finds drafting does not pay, the drafter
+     proposes up to `budget` tokens per row, with the exact probabilities it sampled them from;
+  2. schedule: the policy picks ℓ_r drafts to verify per row, reading calibrated prefix survivals
+     lazily (lossless, DESIGN.md §7);
+  3. verify: one ragged target forward (row r holds 1 + ℓ_r tokens) and one batched rejection-sampling
+     call, each row drawing from its own generator;
+  4. commit: cache rows roll back to their committed lengths, the drafter observes the committed
+     tokens, the policy records the step.
+A row's sample path depends on its own generator alone, never on which rows share its batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from dspark.decode.sampling import SamplingParams, probs_from_logits, sample
+from dspark.decode.verify import verify_chains
+from dspark.draft.base import BatchDrafter, DraftBlock
+from dspark.draft.heads import prefix_survival
+from dspark.schedule.policies import AcceptanceEstimate, Policy
+
+
+@dataclasses.dataclass
+class Round:
+    """One verification round of one request."""
+
+    verified: int  # draft tokens verified (ℓ)
+    accepted: int  # of which accepted
+    confidence_logits: list[float] | None = None  # raw confidence logits of the verified drafts
+
+
+@dataclasses.dataclass
+class Row:
+    """A request in flight in cache row `index`; `anchor` is its last sampled token, not yet cached."""
+
+    index: int
+    anchor: int
+    params: SamplingParams
+    generator: torch.Generator
+    budget: int = 0  # drafts it may verify this step (the next token always comes on top)
+
+
+@dataclasses.dataclass
+class RowResult:
+    round: Round
+    tokens: list[int]  # committed by this step: the accepted drafts, then the next anchor
+
+
+def prefill(model, cache, row: int, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator,
+            taps: tuple[int, ...]) -> tuple[int, torch.Tensor | None]:
+    """Run the prompt into cache row `row` and sample the first token; returns it and the prompt's
+    tapped features [len(prompt), m, H] (None without taps)."""
+    view = cache.row(row)
+    view.lengths.zero_()
+    out = model(torch.tensor([prompt_ids]), view, taps=taps)
+    cache.lengths[row] = int(view.lengths[0])
+    probs = probs_from_logits(model.logits(out.hidden[0, -1:]), params)
+    return int(sample(probs, torch.rand(1, generator=generator))[0]), out.taps[0] if taps else None
+
+
+class DecodeStep:
+    """The step for a target model, an optional drafter and a verification policy."""
+
+    def __init__(self, model, drafter: BatchDrafter | None, policy: Policy):
+        self.model, self.policy = model, policy
+        self.drafter = drafter if policy.drafts else None  # plain AR: no drafter to run or feed
+        self.taps = tuple(self.drafter.tap_layers) if self.drafter else ()
+        self.estimate = AcceptanceEstimate(self.drafter.max_drafts if self.drafter else 1)
+        self.steps = 0
+        self.computed_positions = 0  # target positions run by verify forwards, padding included
+
+    @torch.inference_mode()
+    def __call__(self, cache, rows: list[Row]) -> list[RowResult]:
+        blocks, draft_s = self._draft(rows)
+        drafts = [b.tokens[: r.budget] if b else [] for b, r in zip(blocks, rows)]
+        lengths = self._schedule(blocks, drafts)
+        committed, out, computed = self._forward(cache, rows, drafts, lengths)
+        accepted, nxt = self._verify(out.hidden, rows, blocks, drafts, lengths)
+        for r, a in zip(rows, accepted):
+            committed[r.index] += 1 + a
+        cache.truncate(committed)
+        results = []
+        for r, blk, d, ell, a, t in zip(rows, blocks, drafts, lengths, accepted, nxt):
+            if self.drafter:
+                self.drafter.observe(r.index, [r.anchor] + d[:a], out.taps[r.index, : a + 1] if self.taps else None)
+            conf = blk.confidence_logits if blk is not None else None
+            if blk is not None and conf is None:
+                self.estimate.update(ell, a)
+            results.append(RowResult(Round(ell, a, None if conf is None else conf[:ell].tolist()), d[:a] + [t]))
+        self.policy.record_step(len(rows), blocks != [None] * len(rows), computed,
+                                sum(len(x.tokens) for x in results), draft_s)
+        return results
+
+    def _draft(self, rows: list[Row]) -> tuple[list[DraftBlock | None], float]:
+        if self.drafter is None or not self.policy.should_draft(len(rows)):  # from past steps only
+            return [None] * len(rows), 0.0
+        t0 = time.perf_counter()
+        blocks = self.drafter.propose([r.index for r in rows], [r.anchor for r in rows], [r.budget for r in rows],
+                                      [r.params for r in rows], [r.generator for r in rows])
+        return blocks, time.perf_counter() - t0
+
+    def _schedule(self, blocks: list[DraftBlock | None], drafts: list[list[int]]) -> list[int]:
+        drafted = [len(d) for d in drafts]
+        survivals = [[] for _ in drafted]
+        if self.policy.needs_survivals:
+            temps = self.drafter.temperatures if self.drafter else None
+            survivals = [prefix_survival(b.confidence_logits[:n].tolist(), temps)
+                         if b is not None and b.confidence_logits is not None else self.estimate.survivals(n)
+                         for b, n in zip(blocks, drafted)]
+        return [min(ell, n) for ell, n in zip(self.policy.lengths(survivals, drafted), drafted)]
+
+    def _forward(self, cache, rows, drafts, lengths):
+        """One ragged forward over every cache row: row r holds [anchor, ℓ_r drafts], right-padded;
+        rows without a request compute padding at the start of their row."""
+        B, q = cache.batch_size, 1 + max(lengths)
+        ids = torch.zeros(B, q, dtype=torch.long)
+        num_new = torch.zeros(B, dtype=torch.long)
+        for r, d, ell in zip(rows, drafts, lengths):
+            ids[r.index, : 1 + ell] = torch.tensor([r.anchor] + d[:ell])
+            num_new[r.index] = 1 + ell
+        idle = torch.ones(B, dtype=torch.bool)
+        idle[[r.index for r in rows]] = False
+        cache.lengths[idle] = 0
+        committed = cache.lengths.clone()
+        out = self.model(ids, cache, num_new=num_new, taps=self.taps)
+        self.steps += 1
+        self.computed_positions += B * q
+        return committed, out, B * q
+
+    def _verify(self, hidden, rows, blocks, drafts, lengths) -> tuple[list[int], list[int]]:
+        """All rows in one rejection-sampling call: (accepted drafts, next token) per row."""
+        R, L = len(rows), max(lengths)
+        V = self.model.cfg.vocab_size
+        tokens = torch.zeros(R, L, dtype=torch.long)
+        uniforms = torch.zeros(R, L + 1)
+        # positions past a row's ℓ are never read (verify masks them): no need to clear them
+        target_probs = torch.empty(R, L + 1, V)
+        sampled = any(b is not None and b.probs is not None for b, ell in zip(blocks, lengths) if ell)
+        draft_probs = torch.empty(R, L, V) if sampled else None
+        for i, (r, blk, d, ell) in enumerate(zip(rows, blocks, drafts, lengths)):
+            tokens[i, :ell] = torch.tensor(d[:ell], dtype=torch.long)
+            target_probs[i, : ell + 1] = probs_from_logits(self.model.logits(hidden[r.index, : ell + 1]), r.params)
+            uniforms[i, : ell + 1] = torch.rand(ell + 1, generator=r.generator)
+            if draft_probs is not None and ell:
+                if blk.probs is not None:
+                    draft_probs[i, :ell] = blk.probs[:ell]
+                else:  # proposed deterministically: one-hot p_d
+                    draft_probs[i, :ell].zero_()
+                    draft_probs[i, torch.arange(ell), tokens[i, :ell]] = 1.0
+        accepted, nxt = verify_chains(tokens, draft_probs, target_probs, torch.tensor(lengths), uniforms)
+        return accepted.tolist(), nxt.tolist()
