@@ -144,9 +144,14 @@ class DecodeStep:
         target_probs = torch.empty(R, L + 1, V)
         sampled = any(b is not None and b.probs is not None for b, ell in zip(blocks, lengths) if ell)
         draft_probs = torch.empty(R, L, V) if sampled else None
+        # one LM-head product for the verified positions of every row
+        logits = self.model.logits(torch.cat([hidden[r.index, : ell + 1] for r, ell in zip(rows, lengths)]))
+        offsets = [0]
+        for ell in lengths:
+            offsets.append(offsets[-1] + ell + 1)
         for i, (r, blk, d, ell) in enumerate(zip(rows, blocks, drafts, lengths)):
             tokens[i, :ell] = torch.tensor(d[:ell], dtype=torch.long)
-            target_probs[i, : ell + 1] = probs_from_logits(self.model.logits(hidden[r.index, : ell + 1]), r.params)
+            target_probs[i, : ell + 1] = probs_from_logits(logits[offsets[i] : offsets[i + 1]], r.params)
             uniforms[i, : ell + 1] = torch.rand(ell + 1, generator=r.generator)
             if draft_probs is not None and ell:
                 if blk.probs is not None:

@@ -33,6 +33,8 @@ class Request:
     seed: int | None = 0
     stop: tuple[str, ...] = ()
     on_tokens: Callable[[list[int]], None] | None = None
+    on_finish: Callable[["Request"], None] | None = None  # called once it is done, before the next step
+    generator: torch.Generator | None = None  # its random stream (default: seeded with `seed`)
     id: str = ""
     # filled in by the engine
     token_ids: list[int] = dataclasses.field(default_factory=list)
@@ -167,7 +169,7 @@ class Engine:
                 self._prefill(b, self.waiting.pop(0))
 
     def _prefill(self, b: int, r: Request) -> None:
-        gen = new_generator(r.seed)
+        gen = r.generator or new_generator(r.seed)
         token, taps = prefill(self.model, self.cache, b, r.prompt_ids, r.params, gen, self.decode_step.taps)
         if self.drafter is not None:
             self.drafter.start(b, r.prompt_ids, taps)
@@ -191,3 +193,5 @@ class Engine:
             r.finished_at = time.perf_counter()
             self.slots[b] = None
             self.cache.lengths[b] = 0
+            if r.on_finish:
+                r.on_finish(r)
