@@ -29,7 +29,7 @@ from dspark.schedule.policies import ARPolicy
 from dspark.schedule.sps import load_or_measure
 from dspark.serve.engine import Engine, Request
 from dspark.target.loading import load_target, parse_dtype
-from dspark.train.data import Prompt, load_prompts
+from dspark.train.data import load_prompts
 from dspark.train.regenerate import regenerate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -179,3 +182,25 @@ def first_two_tokens_tv(tmp_path: Path, make_drafter, n: int = 10_000) -> tuple[
         samples.append(r.token_ids)
         accepted += r.rounds[0].accepted
     return total_variation(samples, exact_first_two(target, params), 4), accepted / n
+
+
+# ---- the `dspark` command ---------------------------------------------------------------------
+def run_cli(*args, env_extra=None, timeout=300):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "dspark.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def assert_clean_error(proc, needle):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert needle in lines[0], lines[0]
+
+
+def start_cli(*args, env=None) -> subprocess.Popen:
+    """`dspark ARGS` in the background (pipes for stdout / stderr), for tests that kill it."""
+    return subprocess.Popen([sys.executable, "-m", "dspark.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)

@@ -1,26 +1,9 @@
 """The `dspark` command: JSON output and clear one-line errors on bad input."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-
-
-def run_cli(*args, env_extra=None, timeout=300):
-    env = dict(os.environ, **(env_extra or {}))
-    return subprocess.run(
-        [sys.executable, "-m", "dspark.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
-
-
-def assert_clean_error(proc, needle):
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert needle in lines[0], lines[0]
+from helpers import assert_clean_error, run_cli
 
 
 @pytest.mark.parametrize(
@@ -104,7 +87,8 @@ def test_default_drafter_is_the_shipped_one_and_lossless():
     from dspark.draft.registry import BUNDLED_DIR
 
     outs = {}
-    for drafter in [None, "none", f"{BUNDLED_DIR / 'smollm2-135m-instruct'}@full"]:
+    full = f"{BUNDLED_DIR / 'smollm2-135m-instruct'}@full"
+    for drafter in [None, "none", full]:
         extra = ["--drafter", drafter] if drafter else []
         r = run_cli("generate", "--prompt", "Write a Python function that returns the square of a number.",
                     "--max-new-tokens", "48", "--dtype", "float32", *extra)
@@ -112,7 +96,7 @@ def test_default_drafter_is_the_shipped_one_and_lossless():
         outs[drafter] = r
     assert "drafters/smollm2-135m-instruct" in outs[None].stderr, outs[None].stderr
     assert len({r.stdout for r in outs.values()}) == 1  # the same greedy text whatever drafts
-    stats = outs[drafter].stderr  # every block verified in full: τ shows the drafter is trained
+    stats = outs[full].stderr  # every block verified in full: τ shows the drafter is trained
     tau = float(stats.split("tau ")[1].split(",")[0])
     assert tau > 1.3, stats  # a random drafter stays at ~1.0
 

@@ -1,12 +1,10 @@
 """Drafter checkpoints: bit-exact round trip, DeepSpec-style export, clear errors on mismatch."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import make_random_dspark, make_tiny_hf_model
+from helpers import make_random_dspark, make_tiny_hf_model, run_cli
 from safetensors.torch import load_file, save_file
 
 from dspark.decode.sampling import SamplingParams
@@ -87,7 +85,7 @@ def test_convert_to_bf16_keeps_config_and_calibration(tiny, tiny_targets, tmp_pa
     target = tiny["llama-untied"]
     drafter = make_random_dspark(target, "gated", block_size=4)
     save_drafter(drafter.model, tmp_path / "d", target=target, extra={"confidence_temperatures": [1.5, 1, 1, 2]})
-    r = _dspark("draft", "convert", "--drafter", str(tmp_path / "d"), "--out", str(tmp_path / "b"), "--dtype",
+    r = run_cli("draft", "convert", "--drafter", str(tmp_path / "d"), "--out", str(tmp_path / "b"), "--dtype",
                 "bfloat16", "--model", str(dict(tiny_targets)["llama-untied"]))
     assert r.returncode == 0, r.stderr
     tensors = load_file(tmp_path / "b" / "model.safetensors")
@@ -95,7 +93,7 @@ def test_convert_to_bf16_keeps_config_and_calibration(tiny, tiny_targets, tmp_pa
     want = drafter.model.state_dict()
     assert all(torch.equal(v, want[k].to(torch.bfloat16)) for k, v in tensors.items())
     assert load_drafter_checkpoint(tmp_path / "b", target).temperatures == [1.5, 1, 1, 2]
-    r = _dspark("draft", "convert", "--drafter", str(tmp_path / "d"), "--out", str(tmp_path / "c"), "--dtype", "int8")
+    r = run_cli("draft", "convert", "--drafter", str(tmp_path / "d"), "--out", str(tmp_path / "c"), "--dtype", "int8")
     assert r.returncode == 2 and "invalid choice" in r.stderr
 
 
@@ -148,13 +146,9 @@ def test_broken_checkpoints_fail_clearly(tiny, tmp_path):
         load_drafter(str(good), target, num_draft_tokens=5)
 
 
-def _dspark(*args):
-    return subprocess.run([sys.executable, "-m", "dspark.cli", *args], capture_output=True, text=True, timeout=300)
-
-
 def test_cli_draft_init_writes_a_loadable_drafter(tiny_targets, tiny, tmp_path):
     name, path = tiny_targets[2]  # qwen2 target (q/k/v biases): the draft layers are still DeepSpec's Qwen3 ones
-    r = _dspark("draft", "init", "--model", str(path), "--out", str(tmp_path / "d"), "--head", "rnn",
+    r = run_cli("draft", "init", "--model", str(path), "--out", str(tmp_path / "d"), "--head", "rnn",
                 "--block-size", "5", "--layers", "2", "--tap-layers", "0,2", "--markov-rank", "12", "--copy-target-layers")
     assert r.returncode == 0, r.stderr
     assert "head rnn, block 5, 2 layer(s), taps [0, 2]" in r.stdout
@@ -172,7 +166,7 @@ def test_cli_draft_init_writes_a_loadable_drafter(tiny_targets, tiny, tmp_path):
                 assert torch.equal(p, torch.ones_like(p)), name
             else:
                 assert torch.equal(p, source[f"model.layers.{2 + i}.{name}"]), name
-    r = _dspark("draft", "init", "--model", str(path), "--out", str(tmp_path / "e"), "--head", "none")
+    r = run_cli("draft", "init", "--model", str(path), "--out", str(tmp_path / "e"), "--head", "none")
     assert r.returncode == 0, r.stderr
     cfg = json.loads((tmp_path / "e" / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["model_type"] == "qwen3"  # DeepSpec's DFlash naming
@@ -184,7 +178,7 @@ def test_cli_draft_init_writes_a_loadable_drafter(tiny_targets, tiny, tmp_path):
         (["--block-size", "1"], "block size must be >= 2"),
         (["--model", str(tmp_path / "missing")], "missing"),
     ]:
-        r = _dspark("draft", "init", "--model", str(path), "--out", str(tmp_path / "f"), *args)
+        r = run_cli("draft", "init", "--model", str(path), "--out", str(tmp_path / "f"), *args)
         assert r.returncode == 1 and message in r.stderr.splitlines()[-1] and "Traceback" not in r.stderr, r.stderr
 
 

@@ -47,8 +47,8 @@ def test_training_and_inference_paths_give_the_same_logits(tiny_loaded, head):
             _, inf_logits, inf_conf = drafter.run_heads(h, base, tokens[p], pick)
             err = (inf_logits - logits[i]).abs().max().item()
             assert err <= 1e-4, f"{name}/{head} anchor {p}: logits differ by {err}"
-            if head == "none" or conf is not None:
-                assert (inf_conf - conf[0, i]).abs().max().item() <= 1e-4
+            assert conf is not None and inf_conf is not None  # every head here has a confidence head
+            assert (inf_conf - conf[0, i]).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("head", HEADS)

@@ -6,7 +6,15 @@ import statistics
 
 import pytest
 import torch
-from helpers import TV_PROMPT, exact_first_two, make_random_dspark, tiny_sharp_target, total_variation
+from helpers import (
+    TV_PROMPT,
+    assert_clean_error,
+    exact_first_two,
+    make_random_dspark,
+    run_cli,
+    tiny_sharp_target,
+    total_variation,
+)
 
 from dspark.decode.generate import Decoder
 from dspark.decode.sampling import SamplingParams
@@ -189,8 +197,7 @@ def test_engine_rejects_bad_requests(tiny_targets):
 
 
 def test_bench_serve_cli(tmp_path):
-    from test_cli import assert_clean_error, run_cli
-
+    
     ds = tmp_path / "p.jsonl"
     ds.write_text('{"turns": ["Name a fruit."]}\n{"turns": ["Count to three."]}\n')
     r = run_cli("bench", "serve", "--drafter", "prompt-lookup", "--policies", "ar,fixed:1,dspark", "--concurrency", "1,2",

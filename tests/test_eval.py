@@ -5,8 +5,7 @@ import math
 
 import pytest
 import torch
-from helpers import eval_prompts, make_random_dspark
-from test_cli import assert_clean_error, run_cli
+from helpers import assert_clean_error, eval_prompts, make_random_dspark, run_cli
 
 from dspark.decode.generate import Decoder
 from dspark.decode.sampling import SamplingParams

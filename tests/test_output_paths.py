@@ -5,8 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import EVAL_DIR, make_random_dspark
-from test_cli import assert_clean_error, run_cli
+from helpers import EVAL_DIR, assert_clean_error, make_random_dspark, run_cli
 
 from dspark.draft.checkpoint import save_drafter
 from dspark.target.loading import load_target

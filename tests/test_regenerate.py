@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from test_cli import assert_clean_error, run_cli
+from helpers import assert_clean_error, run_cli
 
 from dspark.decode.generate import Decoder
 from dspark.decode.sampling import SamplingParams

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from test_cli import assert_clean_error, run_cli
+from helpers import assert_clean_error, make_random_dspark, make_tiny_hf_model, run_cli
 
 from dspark.errors import DsparkError
 from dspark.schedule.policies import parse_policy
@@ -81,7 +81,6 @@ def test_profile_measures_once_then_reloads(tiny_targets, tmp_path, monkeypatch)
 def test_profiles_fit_a_short_context_window(tmp_path, monkeypatch):
     """A target with a 64-position window: SPS and draft-cost profiles clip their 256-token context,
     record the clipped one, and `@dspark` decodes losslessly."""
-    from helpers import make_random_dspark, make_tiny_hf_model
 
     from dspark.decode.generate import Decoder
     from dspark.decode.sampling import SamplingParams

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from helpers import make_random_dspark, make_tiny_hf_model, make_tiny_regen_data
+from helpers import make_random_dspark, make_tiny_hf_model, make_tiny_regen_data, start_cli
 from safetensors.torch import load_file
 
 from dspark.errors import DsparkError
@@ -62,11 +62,6 @@ def test_loss_falls_and_validation_tau_rises(tiny_run, tmp_path, algorithm):
         assert len(val[-1]["val"]["alpha"]) == 7  # the training-time test unrolls 7 steps
 
 
-def _dspark(*args, env=None, **kw):
-    return subprocess.Popen([sys.executable, "-m", "dspark.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, **kw)
-
-
 def _write_toml(cfg: TrainConfig, path):
     lines = []
     for k, v in cfg.to_dict().items():
@@ -78,10 +73,10 @@ def _write_toml(cfg: TrainConfig, path):
 def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_run, tmp_path):
     cfg = _cfg(tiny_run, tmp_path / "killed", steps=30, checkpoint_every=5, eval_every=10)
     toml = _write_toml(cfg, tmp_path / "train.toml")
-    ref = _dspark("train", "--config", str(toml), "--out", str(tmp_path / "ref"), "--no-progress")
+    ref = start_cli("train", "--config", str(toml), "--out", str(tmp_path / "ref"), "--no-progress")
     assert ref.wait(timeout=600) == 0, ref.stderr.read()
 
-    proc = _dspark("train", "--config", str(toml), "--no-progress")
+    proc = start_cli("train", "--config", str(toml), "--no-progress")
     state = tmp_path / "killed" / "checkpoint" / "state.json"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
@@ -95,9 +90,9 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_run, tmp_path):
     assert 10 <= killed_at < 30
     assert not (tmp_path / "killed" / "final").exists()
 
-    again = _dspark("train", "--config", str(toml), "--no-progress")  # no --resume: refuses to clobber
+    again = start_cli("train", "--config", str(toml), "--no-progress")  # no --resume: refuses to clobber
     assert again.wait(timeout=300) == 1 and "--resume" in again.stderr.read()
-    res = _dspark("train", "--config", str(toml), "--resume", "--no-progress")
+    res = start_cli("train", "--config", str(toml), "--resume", "--no-progress")
     assert res.wait(timeout=600) == 0, res.stderr.read()
 
     a = load_file(tmp_path / "ref" / "final" / "model.safetensors")
@@ -114,7 +109,7 @@ def test_torchrun_two_processes_follow_the_single_process_trajectory(tiny_run, t
     cfg = _cfg(tiny_run, tmp_path / "one", steps=8, eval_every=100, checkpoint_every=100, autocast="off")
     toml = _write_toml(cfg, tmp_path / "train.toml")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    one = _dspark("train", "--config", str(toml), "--no-progress", env=env)
+    one = start_cli("train", "--config", str(toml), "--no-progress", env=env)
     assert one.wait(timeout=600) == 0, one.stderr.read()
     two = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "dspark.cli",

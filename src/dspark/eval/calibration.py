@@ -43,3 +43,17 @@ def fit_sts(rounds: Sequence[Round], positions: int, bins: int = CALIBRATION_BIN
                              dtype=torch.float64)
         log_prefix = log_prefix + torch.nn.functional.logsigmoid(all_z / best_t)
     return temps
+
+
+def record_full_rounds(target, drafter, prompts: Sequence[str], max_new_tokens: int, params, seed: int = 0,
+                       progress: bool = True) -> list[Round]:
+    """Rounds with every draft verified (the labels STS needs), prompt i sampled with seed + i."""
+    from tqdm import tqdm
+
+    from dspark.decode.generate import Decoder
+
+    decoder = Decoder(target, drafter)  # default policy: verify every draft
+    rounds: list[Round] = []
+    for i, text in enumerate(tqdm(prompts, desc="recording rounds", unit="prompt", disable=not progress)):
+        rounds += decoder.generate(target.encode_prompt(text), max_new_tokens, params, seed=seed + i).rounds
+    return rounds

@@ -148,13 +148,8 @@ def evaluate(
                                      "confidence_threshold": confidence_threshold, "drafters": drafter_specs}}
 
 
-def _positions(drafter, rounds) -> int:
-    return getattr(drafter, "block_size", None) or max((r.verified for r in rounds), default=0)
-
-
 def _run_record(name, ds, temp, a: RunAccumulator, ar: RunAccumulator, drafter) -> dict:
-    positions = _positions(drafter, a.rounds)
-    temps = getattr(drafter, "temperatures", None)
+    positions, temps = drafter.max_drafts, drafter.temperatures
     calibration = metrics.calibration_report(a.rounds, positions, temps)
     if calibration is not None:
         raw = metrics.calibration_report(a.rounds, positions, None)

@@ -10,8 +10,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -21,6 +19,7 @@ from dspark.errors import DsparkError
 from dspark.target.config import TargetConfig
 from dspark.target.model import TargetModel, cpu_has_native_bf16
 from dspark.util.cache import cache_root
+from dspark.util.files import atomic_directory
 
 DEFAULT_MODEL = "smollm2"
 GGUF_FAMILIES = ("llama", "qwen2", "qwen3")
@@ -91,7 +90,24 @@ def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, out // n_head // 2, 2, inp).transpose(1, 2).reshape(out, inp)
 
 
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
 def gguf_to_hf_dir(gguf_path: Path) -> Path:
+    """The GGUF file dequantised to fp32 safetensors + config + tokenizer, once, under the cache."""
     out = cache_root() / "models" / f"{gguf_path.stem}-{_gguf_fingerprint(gguf_path)}"
     if (out / "model.safetensors").is_file():
         return out
@@ -102,7 +118,16 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
         reader = gguf.GGUFReader(str(gguf_path))
     except Exception as e:  # corrupt or not GGUF at all
         raise DsparkError(f"cannot read {gguf_path} as GGUF: {e}") from None
+    cfg = _gguf_config(reader)
+    sd = _gguf_state_dict(reader, gguf_path, cfg)
+    with atomic_directory(out) as tmp:
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+        AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(tmp))
+    return out
 
+
+def _gguf_config(reader) -> TargetConfig:
     def field(key: str, default=None):
         f = reader.fields.get(key)
         return default if f is None else f.contents()
@@ -112,12 +137,10 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
         raise DsparkError(f"GGUF architecture {arch!r} is not supported; dspark supports {list(GGUF_FAMILIES)}")
     n_head = field(f"{arch}.attention.head_count")
     hidden = field(f"{arch}.embedding_length")
-    tensor_names = {t.name for t in reader.tensors}
-    vocab = field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens"))
     eos = field("tokenizer.ggml.eos_token_id")
-    cfg = TargetConfig(
+    return TargetConfig(
         family=arch,
-        vocab_size=vocab,
+        vocab_size=field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens")),
         hidden_size=hidden,
         intermediate_size=field(f"{arch}.feed_forward_length"),
         num_hidden_layers=field(f"{arch}.block_count"),
@@ -127,60 +150,36 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
         rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         max_position_embeddings=field(f"{arch}.context_length", 4096),
-        tie_word_embeddings="output.weight" not in tensor_names,
+        tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
         bos_token_id=field("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (eos,),
     )
-    rename = {
-        "attn_norm": "input_layernorm",
-        "ffn_norm": "post_attention_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "attn_q_norm": "self_attn.q_norm",
-        "attn_k_norm": "self_attn.k_norm",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-    }
-    top = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-    sd = {}
+
+
+def _gguf_state_dict(reader, gguf_path: Path, cfg: TargetConfig) -> dict[str, torch.Tensor]:
+    """HF-named fp32 tensors; llama's Q / K rows are un-permuted from llama.cpp's RoPE layout."""
+    import gguf
     from tqdm import tqdm
 
+    sd = {}
     for t in tqdm(reader.tensors, desc=f"dequantising {gguf_path.name} (once)", unit="tensor", leave=False,
                   disable=None):  # None: shown on a terminal only (one-time, a few seconds)
         stem, kind = t.name.rsplit(".", 1)  # kind: weight | bias
-        if stem in top:
-            name = f"{top[stem]}.{kind}"
+        if stem in _GGUF_TOP_NAMES:
+            name = f"{_GGUF_TOP_NAMES[stem]}.{kind}"
         else:
             _, i, part = stem.split(".", 2)
-            if part not in rename:
+            if part not in _GGUF_LAYER_NAMES:
                 raise DsparkError(f"unexpected tensor {t.name!r} in GGUF file {gguf_path}")
-            name = f"model.layers.{i}.{rename[part]}.{kind}"
+            name = f"model.layers.{i}.{_GGUF_LAYER_NAMES[part]}.{kind}"
         shape = tuple(int(d) for d in reversed(t.shape))
         w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float().reshape(shape)
-        if arch == "llama" and part_is(t.name, "attn_q"):
-            w = _unpermute_qk(w, n_head) if kind == "weight" else w
-        elif arch == "llama" and part_is(t.name, "attn_k"):
-            w = _unpermute_qk(w, cfg.num_key_value_heads) if kind == "weight" else w
+        if cfg.family == "llama" and kind == "weight" and part_is(t.name, "attn_q"):
+            w = _unpermute_qk(w, cfg.num_attention_heads)
+        elif cfg.family == "llama" and kind == "weight" and part_is(t.name, "attn_k"):
+            w = _unpermute_qk(w, cfg.num_key_value_heads)
         sd[name] = w.contiguous()
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
-    try:
-        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
-        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        tok.save_pretrained(str(tmp))
-        try:
-            tmp.rename(out)
-        except OSError:  # another process converted it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return sd
 
 
 def part_is(tensor_name: str, part: str) -> bool:

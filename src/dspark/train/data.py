@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import random
 from pathlib import Path
 from typing import Iterator
 
@@ -112,3 +113,20 @@ def load_samples(path: str | Path) -> list[Sample]:
     if not samples:
         raise DsparkError(f"{path} holds no regenerated samples with a response of 2+ tokens")
     return samples
+
+
+def select_prompts(paths: list[str | Path], shuffle: int | None = None, limit: int | None = None,
+                   skip_validation_fraction: float = 0.0) -> list[Prompt]:
+    """Prompts of several files, first occurrence of each id kept; without those the trainer's id-hash
+    split holds out as validation; shuffled with seed `shuffle` (if given), then the first `limit`."""
+    if not 0 <= skip_validation_fraction < 1:
+        raise DsparkError("--skip-validation-fraction must be in [0, 1)")
+    prompts, seen = [], set()
+    for path in paths:
+        for p in load_prompts(path):
+            if p.id not in seen and not is_validation(p.id, skip_validation_fraction):
+                seen.add(p.id)
+                prompts.append(p)
+    if shuffle is not None:
+        random.Random(shuffle).shuffle(prompts)
+    return prompts[:limit]

@@ -1,0 +1,5 @@
+import sys
+
+from dspark.cli import main
+
+sys.exit(main())

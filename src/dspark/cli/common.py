@@ -1,0 +1,44 @@
+"""What every command shares: the one-line-error parser, argument types, the target arguments."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def target_args(p: argparse.ArgumentParser, dtype: bool = True, threads: bool = False) -> None:
+    """--model / --dtype / --threads, the same on every subcommand that loads the target."""
+    p.add_argument("--model", default=None, help="target: HF model directory or .gguf file (default: embedded SmolLM2)")
+    if dtype:
+        p.add_argument("--dtype", default="auto",
+                       help="float32 | bfloat16 | auto (default auto: bf16 on CPUs with native bf16 matrix units, else fp32)")
+    if threads:
+        p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
+
+
+
+def open_target(args, **kwargs):
+    """Load the target that --model / --dtype / --threads name (kwargs go to `load_target`)."""
+    import torch
+
+    from dspark.target.loading import load_target, parse_dtype
+
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    if "dtype" not in kwargs:
+        kwargs["dtype"] = parse_dtype(args.dtype)
+    return load_target(args.model, **kwargs)
