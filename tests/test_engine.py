@@ -146,11 +146,11 @@ def test_scheduled_sampling_keeps_the_target_distribution(tmp_path, policy, draf
 def test_batched_draft_pass_matches_the_single_request_drafter(tiny_targets):
     """Same contexts, same anchors: the batched pass (ragged contexts, mixed sampling settings)
     proposes what each slot's own DSparkDrafter proposes, with the same p_d and confidences."""
-    from dspark.draft.batched import DSparkBatch
+    from dspark.draft.batched import BatchedDSparkDrafter
 
     target = load_target(tiny_targets[3][1], dtype=torch.float32, require_tokenizer=False)
     single = make_random_dspark(target, "rnn", block_size=5, std=0.3)
-    batch = DSparkBatch(single.model, target, slots=3, max_len=128)
+    batch = BatchedDSparkDrafter(single.model, target, slots=3, max_len=128)
     gen = torch.Generator().manual_seed(0)
     contexts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (7, 30, 19)]
     settings = [SamplingParams(), SamplingParams(0.9, top_p=0.9), SamplingParams(0.9, top_p=0.9)]

@@ -2,7 +2,7 @@
 
 `Drafter` drafts for one request at a time (prompt lookup, EAGLE-3, a DSpark model with its own
 context cache); `BatchDrafter` drafts for all rows of a batch, which is what the decode step calls:
-`PerRequestDrafters` adapts a factory of `Drafter`s, and `draft.batched.DSparkBatch` drafts every row
+`PerRequestDrafters` adapts a factory of `Drafter`s, and `draft.batched.BatchedDSparkDrafter` drafts every row
 in one pass. Drafters only propose (tokens, the exact probabilities they were sampled from,
 confidences) and observe committed context; how many drafts are verified is the policy's choice.
 """

@@ -14,7 +14,7 @@ from dspark.draft.base import BatchDrafter, DraftBlock
 from dspark.draft.dspark import DSparkModel
 
 
-class DSparkBatch(BatchDrafter):
+class BatchedDSparkDrafter(BatchDrafter):
     """`slots` rows of context K/V, each up to `max_len` positions; `temperatures`: STS calibration."""
 
     def __init__(self, model: DSparkModel, target, slots: int, max_len: int, temperatures: list[float] | None = None):

@@ -23,7 +23,7 @@ from dspark.draft.base import DraftBlock, Drafter, token_picker
 from dspark.draft.config import DraftConfig
 from dspark.draft.heads import ConfidenceHead, SequentialHead
 from dspark.target.config import TargetConfig
-from dspark.target.model import apply_rope, rms_norm
+from dspark.target.model import apply_rope, rms_norm, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -114,8 +114,7 @@ class DraftModelBase(nn.Module):
         super().__init__()
         self.cfg = cfg
         t = cfg.target
-        inv_freq = 1.0 / (t.rope_theta ** (torch.arange(0, t.head_dim, 2, dtype=torch.int64).float() / t.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(t), persistent=False)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """HF-style init: normal(0, std) matrices, zero biases, unit norms."""

@@ -94,9 +94,9 @@ class Engine:
         self.waiting: list[Request] = []
         drafter: BatchDrafter | None = None
         if self.policy.drafts and draft_model is not None:
-            from dspark.draft.batched import DSparkBatch
+            from dspark.draft.batched import BatchedDSparkDrafter
 
-            drafter = DSparkBatch(draft_model, target, max_batch, self.max_len, temperatures)
+            drafter = BatchedDSparkDrafter(draft_model, target, max_batch, self.max_len, temperatures)
         elif self.policy.drafts and make_drafter is not None:
             drafter = PerRequestDrafters(make_drafter)
         self.decode_step = DecodeStep(self.model, drafter, self.policy)

@@ -27,9 +27,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def rope_inv_freq(cfg: TargetConfig) -> torch.Tensor:
+    """RoPE's per-pair inverse frequencies [head_dim / 2] (HF's default rope)."""
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+
+
 def rope_tables(cfg: TargetConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg))
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 
