@@ -21,27 +21,16 @@ from dspark.errors import DsparkError
 from dspark.schedule.policies import ARPolicy
 from dspark.serve.engine import Engine, Request
 from dspark.train.data import Prompt
+from dspark.util.journal import read_records
 from dspark.util.seeding import derived_generator
 
 
 def finished_ids(out_path: Path) -> set[str]:
     """Ids already written; a torn last line (killed mid-write) is cut off so appending stays valid."""
-    if not out_path.exists():
-        return set()
-    done, good_bytes = set(), 0
-    with open(out_path, "rb") as f:
-        for raw in f:
-            try:
-                if not raw.endswith(b"\n"):
-                    raise ValueError("torn line")
-                done.add(str(json.loads(raw)["id"]))
-            except (ValueError, KeyError):
-                break
-            good_bytes += len(raw)
-    if good_bytes != out_path.stat().st_size:
-        with open(out_path, "r+b") as f:
-            f.truncate(good_bytes)
-    return done
+    records, bad_line = read_records(out_path, cut=True)
+    if bad_line is not None or not all(isinstance(r, dict) and "id" in r for r in records):
+        raise DsparkError(f"{out_path}:{bad_line or '?'}: not a regeneration record; fix or move the file")
+    return {str(r["id"]) for r in records}
 
 
 def regenerate(

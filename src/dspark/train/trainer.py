@@ -35,7 +35,8 @@ from dspark.target.model import cpu_has_native_bf16
 from dspark.train.config import TrainConfig
 from dspark.train.data import Sample, is_validation, load_samples
 from dspark.train.losses import acceptance_sums, expected_tau, kd_loss_sums, position_weights, step_weights
-from dspark.util.files import atomic_directory
+from dspark.util.files import atomic_directory, atomic_write_text
+from dspark.util.journal import read_records
 from dspark.util.seeding import derived_generator
 
 # Options a resumed run may change; anything else must match the checkpoint.
@@ -431,11 +432,6 @@ def _truncate_log(path: Path, step: int) -> None:
     """Drop log records of steps after the checkpoint being resumed (that work was lost)."""
     if not path.exists():
         return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                keep.append(line)
-        except (ValueError, KeyError):
-            break
-    path.write_text("".join(line + "\n" for line in keep))
+    records, _ = read_records(path)
+    keep = [r for r in records if isinstance(r, dict) and r.get("step", step + 1) <= step]
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))

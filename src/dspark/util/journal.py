@@ -34,31 +34,20 @@ class Journal:
             self._append({"settings": settings})
 
     def _load(self, settings: dict) -> None:
-        lines = self.path.read_bytes().split(b"\n")
-        keep = 0  # bytes of complete lines
-        for i, line in enumerate(lines):
-            complete = i < len(lines) - 1
-            try:
-                obj = json.loads(line) if complete else None
-            except json.JSONDecodeError:
-                obj = None
+        records, bad_line = read_records(self.path, cut=True)
+        for i, obj in enumerate(records):
             if not isinstance(obj, dict) or ("settings" if i == 0 else "key") not in obj:
-                obj = None
-            if obj is None:
-                if complete:
-                    raise DsparkError(f"{self.path}:{i + 1}: not a journal record; delete the file to start the run over")
-                break  # a kill cut the last line short
-            if i == 0:
-                if obj.get("settings") != settings:
-                    raise DsparkError(
-                        f"{self.path} belongs to a run with other settings ({_diff(obj.get('settings'), settings)}); "
-                        "use another --out, or delete the file to start over")
-            else:
+                bad_line = i + 1
+                break
+            if i == 0 and obj["settings"] != settings:
+                raise DsparkError(
+                    f"{self.path} belongs to a run with other settings ({_diff(obj['settings'], settings)}); "
+                    "use another --out, or delete the file to start over")
+            if i > 0:
                 self.done[tuple(obj["key"])] = obj["value"]
-            keep += len(line) + 1
-        with open(self.path, "r+b") as f:
-            f.truncate(keep)
-        if keep == 0:  # killed before the settings line was complete: nothing to keep
+        if bad_line is not None:
+            raise DsparkError(f"{self.path}:{bad_line}: not a journal record; delete the file to start the run over")
+        if not records:  # killed before the settings line was complete: nothing to keep
             self._append({"settings": settings})
 
     def _append(self, obj: dict) -> None:
@@ -77,3 +66,22 @@ def _diff(old, new: dict) -> str:
         return "unreadable settings"
     keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     return "differs in " + ", ".join(keys)
+
+
+def read_records(path: Path, cut: bool = False) -> tuple[list, int | None]:
+    """The JSON values of `path`'s lines, in order, up to a last line that a kill cut short (no
+    newline; with `cut`, it is removed from the file so that appending stays valid). Returns them and
+    the number of the first complete line that is not JSON (None when all are), where reading stopped."""
+    data = path.read_bytes() if path.exists() else b""
+    records, keep, bad = [], 0, None
+    for i, line in enumerate(data.split(b"\n")[:-1]):  # the part after the last newline is torn or empty
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            bad = i + 1
+            break
+        keep += len(line) + 1
+    if cut and bad is None and keep != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+    return records, bad
