@@ -5,15 +5,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dspark.cli.common import Parser, open_target, positive_int, target_args
+from dspark.cli.common import command_group, open_target, positive_int, target_args
 from dspark.errors import DsparkError
 from dspark.util.files import check_writable
 
 
 def add_parsers(sub) -> None:
-    be = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
-    bsub = be.add_subparsers(dest="bench_command", metavar="ACTION", parser_class=Parser)
-    bsub.required = True
+    bsub = command_group(sub, "bench", "benchmarks", "Benchmarks.")
     bs = bsub.add_parser(
         "serve",
         help="closed-loop load benchmark of every verification policy",

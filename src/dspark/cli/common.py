@@ -10,6 +10,14 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def command_group(sub, name: str, help: str, description: str):
+    """A command with actions (`dspark NAME ACTION ...`); returns what its actions are added to."""
+    group = sub.add_parser(name, help=help, description=description)
+    actions = group.add_subparsers(dest=f"{name}_command", metavar="ACTION", parser_class=Parser)
+    actions.required = True
+    return actions
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)

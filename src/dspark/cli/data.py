@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import json
 
-from dspark.cli.common import Parser, open_target, positive_int, target_args
+from dspark.cli.common import command_group, open_target, positive_int, target_args
 from dspark.util.files import check_writable
 
 
 def add_parsers(sub) -> None:
-    data = sub.add_parser("data", help="prepare training data", description="Prepare training data.")
-    dat = data.add_subparsers(dest="data_command", metavar="ACTION", parser_class=Parser)
-    dat.required = True
+    dat = command_group(sub, "data", "prepare training data", "Prepare training data.")
     rg = dat.add_parser(
         "regenerate",
         help="let the target answer training prompts (resumable)",
-        description="Let the target answer each prompt through its chat template (batched decoding on the "
-        "lean runner) and append {id, prompt_ids, response_ids, response, finish_reason} lines to --out. "
+        description="Let the target answer each prompt through its chat template (continuous batching "
+        "on the engine) and append {id, prompt_ids, response_ids, response, finish_reason} lines to --out. "
         "Rerunning with the same --out skips prompts already answered, so an interrupted run resumes. "
         "Prompt files: JSONL with 'turns', ShareGPT 'conversations' or Alpaca 'instruction'/'input'.",
     )

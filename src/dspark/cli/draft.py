@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from dspark.cli.common import Parser, open_target, positive_int, target_args
+from dspark.cli.common import command_group, open_target, positive_int, target_args
 from dspark.errors import DsparkError
 from dspark.util.files import check_writable
 
 
 def add_parsers(sub) -> None:
-    d = sub.add_parser("draft", help="create and export drafter checkpoints",
-                       description="Create and export DSpark / DFlash drafter checkpoints.")
-    dsub = d.add_subparsers(dest="draft_command", metavar="ACTION", parser_class=Parser)
-    dsub.required = True
+    dsub = command_group(sub, "draft", "create and export drafter checkpoints",
+                         "Create and export DSpark / DFlash drafter checkpoints.")
     init = dsub.add_parser(
         "init",
         help="write a freshly initialised drafter for a target",

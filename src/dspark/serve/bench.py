@@ -25,11 +25,11 @@ from dspark.util.plotting import pyplot
 def engine_factory(target, drafter_spec: str | None, max_len: int | None = None):
     """(make(policy, max_batch) -> Engine, drafter label). `max_len` bounds each slot's context (the
     KV cache is allocated for max_batch x max_len up front)."""
-    from dspark.draft.dspark import DSparkModel
+    from dspark.draft.dspark import DSparkModel, ModelDrafter
     from dspark.draft.registry import load_drafter
 
     drafter = load_drafter(drafter_spec, target) if drafter_spec not in (None, "none") else None
-    model = getattr(drafter, "model", None)
+    model = drafter.model if isinstance(drafter, ModelDrafter) else None
     if isinstance(model, DSparkModel):  # DSpark / DFlash: one batched drafting pass per step
         return (lambda policy, c: Engine(target, policy=policy, max_batch=c, max_len=max_len, draft_model=model,
                                            temperatures=drafter.temperatures)), drafter_spec
