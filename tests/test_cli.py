@@ -51,13 +51,21 @@ def test_not_a_gguf_file(tmp_path):
 
 
 def test_json_output_on_the_embedded_model():
-    proc = run_cli("generate", "--prompt", "Name a fruit.", "--max-new-tokens", "12", "--json", "--dtype", "float32")
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
-    assert set(out) >= {"text", "token_ids", "stats"}
-    assert set(out["stats"]) >= {"new_tokens", "rounds", "tau", "decode_tok_s", "prefill_s"}
-    assert 1 <= out["stats"]["new_tokens"] == len(out["token_ids"]) <= 12
-    assert out["stats"]["tau"] >= 1.0 and out["text"]
+    from dspark.draft.registry import BUNDLED_DIR
+
+    base = ["generate", "--prompt", "Name a fruit.", "--max-new-tokens", "12", "--json", "--dtype", "float32"]
+    for drafter in (f"{BUNDLED_DIR / 'smollm2-135m-instruct'}@full", "none"):
+        proc = run_cli(*base, "--drafter", drafter)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert set(out) >= {"text", "token_ids", "stats"}
+        s = out["stats"]
+        assert set(s) >= {"new_tokens", "rounds", "tau", "decode_tok_s", "prefill_s", "draft_s", "verify_s"}
+        assert 1 <= s["new_tokens"] == len(out["token_ids"]) <= 12
+        assert s["tau"] >= 1.0 and out["text"]
+        # where the decode time went: drafting and verifying, within the decode wall time
+        assert s["verify_s"] > 0 and s["draft_s"] + s["verify_s"] <= s["decode_s"]
+        assert (s["draft_s"] > 0) == (drafter != "none")
 
 
 def test_streaming_output_and_stats_line():

@@ -48,6 +48,9 @@ def test_loss_falls_and_validation_tau_rises(tiny_run, tmp_path, algorithm):
     Trainer(_cfg(tiny_run, tmp_path / "run", algorithm=algorithm), progress=False).run()
     train, val = _log(tmp_path / "run")
     assert len(train) == 60 and [v["step"] for v in val] == [0, 20, 40, 60]
+    for r in train:  # where each step's time went
+        parts = (r["target_s"], r["drafter_s"], r["optimizer_s"])
+        assert min(parts) > 0 and sum(parts) <= r["seconds"]
     first = sum(r["loss"] for r in train[:5]) / 5
     last = sum(r["loss"] for r in train[-5:]) / 5
     assert last < first - 0.05, (first, last)

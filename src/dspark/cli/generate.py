@@ -101,7 +101,8 @@ def _report(args, target, result, streamer, drafter_spec: str | None) -> None:
     """The reply's end (JSON, text or token ids) on stdout, the stats line on stderr."""
     s = result.stats
     if args.json:
-        stats = {k: getattr(s, k) for k in ("new_tokens", "rounds", "tau", "decode_tok_s", "prefill_s", "decode_s")}
+        stats = {k: getattr(s, k) for k in ("new_tokens", "rounds", "tau", "decode_tok_s", "prefill_s", "decode_s",
+                                            "draft_s", "verify_s")}
         text = result.text if target.tokenizer is not None else None
         print(json.dumps({"text": text, "token_ids": result.token_ids, "finish_reason": result.finish_reason, "stats": stats}))
     else:
@@ -112,7 +113,8 @@ def _report(args, target, result, streamer, drafter_spec: str | None) -> None:
             print(",".join(map(str, result.token_ids)))
         print(
             f"[dspark] {s.new_tokens} tokens, {s.rounds} rounds, tau {s.tau:.2f}, "
-            f"decode {s.decode_tok_s:.1f} tok/s, prefill {s.prefill_s:.2f} s, "
+            f"decode {s.decode_tok_s:.1f} tok/s (draft {s.draft_s:.2f} s + verify {s.verify_s:.2f} s), "
+            f"prefill {s.prefill_s:.2f} s, "
             f"drafter {drafter_spec}, {str(target.model.dtype).removeprefix('torch.')}, finish {result.finish_reason}",
             file=sys.stderr,
         )

@@ -28,6 +28,8 @@ class GenerationStats:
     prefill_s: float
     decode_s: float
     decode_tok_s: float  # tokens produced by decode rounds / decode wall time
+    draft_s: float = 0.0  # of decode_s: drafting passes
+    verify_s: float = 0.0  # of decode_s: verify forwards, rejection sampling and commits
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -91,6 +93,7 @@ class Decoder:
         emit([token])
 
         rounds: list[Round] = []
+        spent = (self.step.draft_s, self.step.verify_s)
         t1 = time.perf_counter()
         while not checker.done:
             committed = int(cache.lengths[0])
@@ -113,5 +116,7 @@ class Decoder:
             prefill_s=prefill_s,
             decode_s=decode_s,
             decode_tok_s=(n_new - 1) / decode_s if rounds else 0.0,
+            draft_s=self.step.draft_s - spent[0],
+            verify_s=self.step.verify_s - spent[1],
         )
         return GenerationResult(checker.token_ids, checker.text(), checker.finish_reason, stats, rounds)

@@ -75,12 +75,15 @@ class DecodeStep:
         self.estimate = AcceptanceEstimate(self.drafter.max_drafts if self.drafter else 1)
         self.steps = 0
         self.computed_positions = 0  # target positions run by verify forwards, padding included
+        self.draft_s = 0.0  # seconds spent in drafting passes
+        self.verify_s = 0.0  # seconds spent in verify forwards, rejection sampling and commits
 
     @torch.inference_mode()
     def __call__(self, cache, rows: list[Row]) -> list[RowResult]:
         blocks, draft_s = self._draft(rows)
         drafts = [b.tokens[: r.budget] if b else [] for b, r in zip(blocks, rows)]
         lengths = self._schedule(blocks, drafts)
+        t0 = time.perf_counter()
         committed, out, computed = self._forward(cache, rows, drafts, lengths)
         accepted, nxt = self._verify(out.hidden, rows, blocks, drafts, lengths)
         for r, a in zip(rows, accepted):
@@ -96,6 +99,8 @@ class DecodeStep:
             results.append(RowResult(Round(ell, a, None if conf is None else conf[:ell].tolist()), d[:a] + [t]))
         self.policy.record_step(len(rows), blocks != [None] * len(rows), computed,
                                 sum(len(x.tokens) for x in results), draft_s)
+        self.draft_s += draft_s
+        self.verify_s += time.perf_counter() - t0
         return results
 
     def _draft(self, rows: list[Row]) -> tuple[list[DraftBlock | None], float]:

@@ -236,17 +236,19 @@ class Trainer:
         labels = gather(torch.cat([ids[:, 1:], ids[:, :1]], dim=1))
 
         tm = self.target.model
+        t0 = self._clock()
         out = tm(ids, tm.new_cache(b, S), taps=self.taps)
         flat = pos.clamp(max=S - 1).flatten(1)
         hidden = out.hidden.gather(1, flat[..., None].expand(-1, -1, out.hidden.shape[-1])).view(b, A, g, -1)
         with torch.no_grad():
             target_logits = tm.logits(hidden[sup]).clone()  # [n_sup, V], a plain (non-inference) tensor
+        target_s = self._clock() - t0
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
         with amp:
             logits, conf = model(out.taps, ids, anchors, tm.embed_tokens, tm.lm_head)
         w = (self.weights_k * sup).float()
         return dict(logits=logits, conf=conf, target_logits=target_logits, labels=labels, sup=sup, w=w,
-                    tokens=int(lengths.sum()), blocks=int(valid.sum()))
+                    tokens=int(lengths.sum()), blocks=int(valid.sum()), target_s=target_s)
 
     def _loss_sums(self, o):
         c = self.cfg
@@ -259,6 +261,12 @@ class Trainer:
                                 0.0, soft_ce_weight=1.0)
         return kd_loss_sums(o["logits"][sup], conf, o["target_logits"], o["labels"][sup], o["w"][sup],
                             c.ce_weight, c.tv_weight, c.conf_weight)
+
+    def _clock(self) -> float:
+        """Wall time, after the device has finished the work queued so far."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     # ---- training ------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -273,6 +281,8 @@ class Trainer:
             group["lr"] = lr_at(self.step, c)
         sums = torch.zeros(4, dtype=torch.float64)
         tokens = blocks = 0
+        target_s = 0.0
+        t_batches = self._clock()
         for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1
             sync = contextlib.nullcontext() if last or self.world == 1 else self.ddp.no_sync()
@@ -284,6 +294,8 @@ class Trainer:
             sums += torch.tensor([ls.total.item(), ls.ce.item(), ls.tv.item(), ls.conf.item()], dtype=torch.float64)
             tokens += o["tokens"]
             blocks += o["blocks"]
+            target_s += o["target_s"]
+        t_optimizer = self._clock()
         counts = torch.tensor([tokens, blocks], dtype=torch.float64)
         if self.world > 1:
             dist.all_reduce(sums)
@@ -292,10 +304,15 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        dt = time.perf_counter() - t0
+        t_end = self._clock()
+        dt = t_end - t0
         m = (sums / max(total_w, 1e-12)).tolist()
         return {"step": self.step, "lr": lr_at(self.step - 1, c), "loss": m[0], "ce": m[1], "tv": m[2],
                 "conf": m[3], "grad_norm": float(grad_norm), "seconds": dt,
+                # where the step's time went: the frozen target's forward, the drafter's forward and
+                # backward (losses included), and the optimiser (all-reduce, clipping, AdamW)
+                "target_s": target_s, "drafter_s": t_optimizer - t_batches - target_s,
+                "optimizer_s": t_end - t_optimizer,
                 "blocks_per_s": counts[1].item() / dt, "target_tok_per_s": counts[0].item() / dt}
 
     @torch.no_grad()
