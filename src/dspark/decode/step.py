@@ -80,7 +80,8 @@ class DecodeStep:
 
     @torch.inference_mode()
     def __call__(self, cache, rows: list[Row]) -> list[RowResult]:
-        blocks, draft_s = self._draft(rows)
+        drafted = self.drafter is not None and self.policy.should_draft(len(rows))  # from past steps only
+        blocks, draft_s = self._draft(rows) if drafted else ([None] * len(rows), 0.0)
         drafts = [b.tokens[: r.budget] if b else [] for b, r in zip(blocks, rows)]
         lengths = self._schedule(blocks, drafts)
         t0 = time.perf_counter()
@@ -97,15 +98,12 @@ class DecodeStep:
             if blk is not None and conf is None:
                 self.estimate.update(ell, a)
             results.append(RowResult(Round(ell, a, None if conf is None else conf[:ell].tolist()), d[:a] + [t]))
-        self.policy.record_step(len(rows), blocks != [None] * len(rows), computed,
-                                sum(len(x.tokens) for x in results), draft_s)
+        self.policy.record_step(len(rows), drafted, computed, sum(len(x.tokens) for x in results), draft_s)
         self.draft_s += draft_s
         self.verify_s += time.perf_counter() - t0
         return results
 
     def _draft(self, rows: list[Row]) -> tuple[list[DraftBlock | None], float]:
-        if self.drafter is None or not self.policy.should_draft(len(rows)):  # from past steps only
-            return [None] * len(rows), 0.0
         t0 = time.perf_counter()
         blocks = self.drafter.propose([r.index for r in rows], [r.anchor for r in rows], [r.budget for r in rows],
                                       [r.params for r in rows], [r.generator for r in rows])
