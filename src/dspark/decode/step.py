@@ -74,7 +74,6 @@ class DecodeStep:
         self.taps = tuple(self.drafter.tap_layers) if self.drafter else ()
         self.estimate = AcceptanceEstimate(self.drafter.max_drafts if self.drafter else 1)
         self.steps = 0
-        self.computed_positions = 0  # target positions run by verify forwards, padding included
         self.draft_s = 0.0  # seconds spent in drafting passes
         self.verify_s = 0.0  # seconds spent in verify forwards, rejection sampling and commits
 
@@ -134,7 +133,6 @@ class DecodeStep:
         committed = cache.lengths.clone()
         out = self.model(ids, cache, num_new=num_new, taps=self.taps)
         self.steps += 1
-        self.computed_positions += B * q
         return committed, out, B * q
 
     def _verify(self, hidden, rows, blocks, drafts, lengths) -> tuple[list[int], list[int]]:

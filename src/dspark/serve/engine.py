@@ -110,10 +110,6 @@ class Engine:
     def steps(self) -> int:
         return self.decode_step.steps
 
-    @property
-    def verified_tokens(self) -> int:
-        return self.decode_step.computed_positions
-
     # ---- requests ------------------------------------------------------------------------
     def submit(self, request: Request) -> Request:
         if not request.prompt_ids:
