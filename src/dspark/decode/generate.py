@@ -12,7 +12,7 @@ import time
 from typing import Callable, Iterable
 
 from dspark.decode.sampling import SamplingParams, new_generator
-from dspark.decode.step import DecodeStep, Round, Row, prefill
+from dspark.decode.step import DecodeStep, Round, draft_budget
 from dspark.decode.stopping import StopChecker
 from dspark.draft.base import Drafter, PerRequestDrafters
 from dspark.errors import DsparkError
@@ -83,14 +83,10 @@ class Decoder:
         self.policy.reset()
 
         t0 = time.perf_counter()
-        gen = new_generator(seed)
-        token, taps = prefill(model, cache, 0, list(prompt_ids), params, gen, self.step.taps)
-        if self.step.drafter is not None:
-            self.step.drafter.start(0, list(prompt_ids), taps)
-        row = Row(0, token, params, gen)
+        row = self.step.start(cache, 0, list(prompt_ids), params, new_generator(seed))
         prefill_s = time.perf_counter() - t0
-        checker.push(token)
-        emit([token])
+        checker.push(row.anchor)
+        emit([row.anchor])
 
         rounds: list[Round] = []
         spent = (self.step.draft_s, self.step.verify_s)
@@ -100,8 +96,7 @@ class Decoder:
             if committed >= max_len:  # context window full
                 checker.finish_reason = "length"
                 break
-            # the next token always comes on top of the drafts, so leave room for it
-            row.budget = max(0, min(max_new_tokens - len(checker.token_ids), max_len - committed) - 1)
+            row.budget = draft_budget(max_new_tokens - len(checker.token_ids), max_len - committed)
             result = self.step(cache, [row])[0]
             rounds.append(result.round)
             row.anchor = result.tokens[-1]

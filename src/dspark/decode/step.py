@@ -1,7 +1,7 @@
 """The decode step every loop runs: draft -> schedule -> verify -> commit, for a batch of rows.
 
 The single-request `Decoder` is this step with one row; the batched `Engine` adds slots and
-admission around it; `dspark eval` and regeneration run on those two. One step:
+admission around it; `dspark eval` and regeneration run on those two. `start` prefills a row; one step:
   1. draft: unless the policy (from past steps only) finds drafting does not pay, the drafter
      proposes up to `budget` tokens per row, with the exact probabilities it sampled them from;
   2. schedule: the policy picks ℓ_r drafts to verify per row, reading calibrated prefix survivals
@@ -53,16 +53,10 @@ class RowResult:
     tokens: list[int]  # committed by this step: the accepted drafts, then the next anchor
 
 
-def prefill(model, cache, row: int, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator,
-            taps: tuple[int, ...]) -> tuple[int, torch.Tensor | None]:
-    """Run the prompt into cache row `row` and sample the first token; returns it and the prompt's
-    tapped features [len(prompt), m, H] (None without taps)."""
-    view = cache.row(row)
-    view.lengths.zero_()
-    out = model(torch.tensor([prompt_ids]), view, taps=taps)
-    cache.lengths[row] = int(view.lengths[0])
-    probs = probs_from_logits(model.logits(out.hidden[0, -1:]), params)
-    return int(sample(probs, torch.rand(1, generator=generator))[0]), out.taps[0] if taps else None
+def draft_budget(tokens_left: int, room: int) -> int:
+    """Drafts a row may verify: the next token always comes on top, within what is left of its
+    budget and of its room in the cache."""
+    return max(0, min(tokens_left, room) - 1)
 
 
 class DecodeStep:
@@ -76,6 +70,21 @@ class DecodeStep:
         self.steps = 0
         self.draft_s = 0.0  # seconds spent in drafting passes
         self.verify_s = 0.0  # seconds spent in verify forwards, rejection sampling and commits
+
+    @torch.inference_mode()
+    def start(self, cache, index: int, prompt_ids: list[int], params: SamplingParams,
+              generator: torch.Generator) -> Row:
+        """A request takes cache row `index`: run its prompt in, sample its first token (the row's
+        anchor) and hand the prompt's tapped features to the drafter."""
+        view = cache.row(index)
+        view.lengths.zero_()
+        out = self.model(torch.tensor([prompt_ids]), view, taps=self.taps)
+        cache.lengths[index] = int(view.lengths[0])
+        probs = probs_from_logits(self.model.logits(out.hidden[0, -1:]), params)
+        token = int(sample(probs, torch.rand(1, generator=generator))[0])
+        if self.drafter is not None:
+            self.drafter.start(index, prompt_ids, out.taps[0] if self.taps else None)
+        return Row(index, token, params, generator)
 
     @torch.inference_mode()
     def __call__(self, cache, rows: list[Row]) -> list[RowResult]:

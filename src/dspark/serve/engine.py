@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from dspark.decode.sampling import SamplingParams, new_generator
-from dspark.decode.step import DecodeStep, Round, Row, prefill
+from dspark.decode.step import DecodeStep, Round, Row, draft_budget
 from dspark.decode.stopping import StopChecker
 from dspark.draft.base import BatchDrafter, Drafter, PerRequestDrafters
 from dspark.errors import DsparkError
@@ -152,12 +152,10 @@ class Engine:
             self._emit(s, result.tokens)
 
     def _budget(self, s: _Slot) -> int:
-        """Drafts a slot may verify: the next token always comes on top, within both limits."""
-        left = s.request.max_new_tokens - len(s.checker.token_ids)
         room = self.max_len - int(self.cache.lengths[s.row.index])
-        if self.headroom:
+        if self.headroom:  # padding of the other rows' drafts lands in the headroom: cap drafts by it
             room = min(room, self.headroom)
-        return max(0, min(left, room) - 1)
+        return draft_budget(s.request.max_new_tokens - len(s.checker.token_ids), room)
 
     def _admit(self) -> None:
         for b in range(self.max_batch):
@@ -165,15 +163,12 @@ class Engine:
                 self._prefill(b, self.waiting.pop(0))
 
     def _prefill(self, b: int, r: Request) -> None:
-        gen = r.generator or new_generator(r.seed)
-        token, taps = prefill(self.model, self.cache, b, r.prompt_ids, r.params, gen, self.decode_step.taps)
-        if self.drafter is not None:
-            self.drafter.start(b, r.prompt_ids, taps)
+        row = self.decode_step.start(self.cache, b, r.prompt_ids, r.params, r.generator or new_generator(r.seed))
         decode = self.target.decode if self.target.tokenizer is not None else None
-        slot = _Slot(r, Row(b, token, r.params, gen), StopChecker(self.target.eos_token_ids, r.max_new_tokens, r.stop, decode))
+        slot = _Slot(r, row, StopChecker(self.target.eos_token_ids, r.max_new_tokens, r.stop, decode))
         self.slots[b] = slot
         r.first_token_at = time.perf_counter()
-        self._emit(slot, [token])
+        self._emit(slot, [row.anchor])
 
     def _emit(self, s: _Slot, tokens: list[int]) -> None:
         r, b = s.request, s.row.index
