@@ -42,11 +42,16 @@ def split_spec(spec: str) -> tuple[str, str]:
     base, sep, rule = spec.rpartition("@")
     if not sep or Path(spec).exists():
         return spec, "full"
-    name, _, arg = rule.partition(":")
-    ok = (name in ("full", "dspark") and not arg) or name == "threshold"
-    if not ok:
-        raise DsparkError(f"unknown verification rule {rule!r} in {spec!r}; choose {VERIFY_RULES}")
+    parse_rule(rule, f" in {spec!r}")
     return base, rule
+
+
+def parse_rule(rule: str, where: str = "") -> tuple[str, str]:
+    """A verification rule's (name, argument): full, dspark or threshold:C."""
+    name, _, arg = rule.partition(":")
+    if not ((name in ("full", "dspark") and not arg) or name == "threshold"):
+        raise DsparkError(f"unknown verification rule {rule!r}{where}; choose {VERIFY_RULES}")
+    return name, arg
 
 
 def check_drafter_spec(spec: str | None) -> None:

@@ -7,7 +7,7 @@ draft-pass cost (both measured once and cached), skipping drafting while it does
 
 from __future__ import annotations
 
-from dspark.draft.registry import VERIFY_RULES, load_drafter, resolve_drafter_spec, spec_rule
+from dspark.draft.registry import load_drafter, parse_rule, resolve_drafter_spec, spec_rule
 from dspark.errors import DsparkError
 from dspark.schedule.policies import ARPolicy, DSparkPolicy, Policy, ThresholdPolicy, VerifyAllPolicy
 
@@ -25,17 +25,15 @@ def rule_policy(rule: str, drafter, target, confidence_threshold: float | None =
     `confidence_threshold` (--confidence-threshold) is the rule threshold:C given apart."""
     if drafter is None:
         return ARPolicy()
-    name, _, arg = rule.partition(":")
+    name, arg = parse_rule(rule)
     if confidence_threshold is not None:
         if name == "threshold":
             raise DsparkError(f"the rule {rule!r} already sets a threshold; drop --confidence-threshold")
         if name == "dspark":
             raise DsparkError("the dspark verification rule and --confidence-threshold exclude each other")
         name, arg = "threshold", str(confidence_threshold)
-    if name == "full" and not arg:
+    if name == "full":
         return VerifyAllPolicy()
-    if name not in ("threshold", "dspark") or (name == "dspark" and arg):
-        raise DsparkError(f"unknown verification rule {rule!r}; choose {VERIFY_RULES}")
     if not drafter.has_confidence:
         raise DsparkError(f"this drafter has no confidence head: the {name} verification rule needs one")
     if name == "threshold":
