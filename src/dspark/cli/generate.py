@@ -83,8 +83,7 @@ def cmd_generate(args) -> int:
 
     streamer = None
     if not args.json and args.prompt_ids is None:
-        holdback = max((len(s) for s in args.stop), default=1) - 1
-        streamer = TextStreamer(target.decode, lambda s: print(s, end="", flush=True), holdback)
+        streamer = TextStreamer(target.decode, lambda s: print(s, end="", flush=True), args.stop)
     result = decoder.generate(
         prompt_ids,
         args.max_new_tokens,

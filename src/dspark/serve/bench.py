@@ -17,33 +17,9 @@ from tqdm import tqdm
 from dspark.decode.sampling import SamplingParams
 from dspark.draft.registry import drafter_digest, resolve_drafter_spec
 from dspark.schedule.policies import parse_policy
-from dspark.serve.engine import Engine, Request
+from dspark.serve.engine import Engine, Request, engine_factory
 from dspark.util.journal import Journal, json_digest
 from dspark.util.plotting import pyplot
-
-
-def engine_factory(target, drafter_spec: str | None, max_len: int | None = None):
-    """(make(policy, max_batch) -> Engine, drafter label). `max_len` bounds each slot's context (the
-    KV cache is allocated for max_batch x max_len up front)."""
-    from dspark.draft.dspark import DSparkModel, ModelDrafter
-    from dspark.draft.registry import load_drafter
-
-    drafter = load_drafter(drafter_spec, target) if drafter_spec not in (None, "none") else None
-    model = drafter.model if isinstance(drafter, ModelDrafter) else None
-    if isinstance(model, DSparkModel):  # DSpark / DFlash: one batched drafting pass per step
-        return (lambda policy, c: Engine(target, policy=policy, max_batch=c, max_len=max_len, draft_model=model,
-                                           temperatures=drafter.temperatures)), drafter_spec
-    if drafter_spec == "prompt-lookup":
-        from dspark.draft.prompt_lookup import PromptLookupDrafter
-
-        return (lambda policy, c: Engine(target, lambda: PromptLookupDrafter(8), policy, max_batch=c,
-                                           max_len=max_len)), drafter_spec
-    if drafter is not None:  # EAGLE-3: one drafter per request, sharing the weights
-        from dspark.draft.checkpoint import wrap_drafter
-
-        return (lambda policy, c: Engine(target, lambda: wrap_drafter(model, target), policy, max_batch=c,
-                                           max_len=max_len)), drafter_spec
-    return (lambda policy, c: Engine(target, policy=policy, max_batch=c, max_len=max_len)), "none"
 
 
 def bench_serve(target, drafter_spec, policies: list[str], levels: list[int], prompts: list[str], requests_per_level: int,
@@ -55,7 +31,7 @@ def bench_serve(target, drafter_spec, policies: list[str], levels: list[int], pr
     rerun with the same settings measures only the missing ones."""
     drafter_spec = resolve_drafter_spec(drafter_spec, target)
     encoded = [target.encode_prompt(p) for p in prompts]
-    make, label = engine_factory(target, drafter_spec, max(map(len, encoded)) + max_new_tokens + 1)
+    make, label, _ = engine_factory(target, drafter_spec, max(map(len, encoded)) + max_new_tokens + 1)
     settings = {"target": str(target.path), "dtype": str(target.model.dtype), "drafter": drafter_digest(str(drafter_spec)),
                 "requests": requests_per_level, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "prompts": json_digest(encoded), "chunking": "rotated chunks of max(2C, n/4)",

@@ -22,6 +22,7 @@ from dspark.draft.base import BatchDrafter, Drafter, PerRequestDrafters
 from dspark.errors import DsparkError
 from dspark.schedule.policies import ARPolicy, Policy
 
+PROMPT_LOOKUP_DRAFTS = 8  # drafts per row of the engine's prompt-lookup drafter
 HEADROOM = 64  # extra cache columns for the padding of ragged verification rows (caps drafts per step)
 
 
@@ -130,6 +131,25 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting) or bool(self.active)
 
+    def cancel(self, request: Request) -> bool:
+        """Drop a waiting or running request (finish reason "abort"); its cache row is free for the
+        next step. False when it had already finished or was never submitted."""
+        if request.done:
+            return False
+        for s in self.slots:
+            if s is not None and s.request is request:
+                s.checker.finish_reason = "abort"
+                self._finish(s)
+                return True
+        if not any(r is request for r in self.waiting):
+            return False
+        self.waiting = [r for r in self.waiting if r is not request]
+        request.finish_reason = "abort"
+        request.finished_at = time.perf_counter()
+        if request.on_finish:
+            request.on_finish(request)
+        return True
+
     def run(self, requests: list[Request]) -> list[Request]:
         for r in requests:
             self.submit(r)
@@ -178,11 +198,40 @@ class Engine:
         if not s.checker.done and int(self.cache.lengths[b]) >= self.max_len:
             s.checker.finish_reason = "length"  # context window full: no room for the next anchor
         if s.checker.done:
-            r.token_ids = s.checker.token_ids
-            r.text = s.checker.text()
-            r.finish_reason = s.checker.finish_reason
-            r.finished_at = time.perf_counter()
-            self.slots[b] = None
-            self.cache.lengths[b] = 0
-            if r.on_finish:
-                r.on_finish(r)
+            self._finish(s)
+
+    def _finish(self, s: _Slot) -> None:
+        r, b = s.request, s.row.index
+        r.token_ids = s.checker.token_ids
+        r.text = s.checker.text()
+        r.finish_reason = s.checker.finish_reason
+        r.finished_at = time.perf_counter()
+        self.slots[b] = None
+        self.cache.lengths[b] = 0
+        if r.on_finish:
+            r.on_finish(r)
+
+
+def engine_factory(target, drafter_spec: str | None, max_len: int | None = None):
+    """(make(policy, max_batch) -> Engine, drafter label, drafts per row at most) for a resolved
+    --drafter value (no @RULE). `max_len` bounds each slot's context (the KV cache is allocated for
+    max_batch x max_len up front)."""
+    from dspark.draft.dspark import DSparkModel, ModelDrafter
+    from dspark.draft.registry import load_drafter
+
+    drafter = load_drafter(drafter_spec, target) if drafter_spec not in (None, "none", "prompt-lookup") else None
+    model = drafter.model if isinstance(drafter, ModelDrafter) else None
+    if isinstance(model, DSparkModel):  # DSpark / DFlash: one batched drafting pass per step
+        return (lambda policy, c: Engine(target, policy=policy, max_batch=c, max_len=max_len, draft_model=model,
+                                         temperatures=drafter.temperatures)), drafter_spec, drafter.max_drafts
+    if drafter_spec == "prompt-lookup":
+        from dspark.draft.prompt_lookup import PromptLookupDrafter
+
+        return (lambda policy, c: Engine(target, lambda: PromptLookupDrafter(PROMPT_LOOKUP_DRAFTS), policy,
+                                         max_batch=c, max_len=max_len)), drafter_spec, PROMPT_LOOKUP_DRAFTS
+    if drafter is not None:  # EAGLE-3: one drafter per request, sharing the weights
+        from dspark.draft.checkpoint import wrap_drafter
+
+        return (lambda policy, c: Engine(target, lambda: wrap_drafter(model, target), policy, max_batch=c,
+                                         max_len=max_len)), drafter_spec, drafter.max_drafts
+    return (lambda policy, c: Engine(target, policy=policy, max_batch=c, max_len=max_len)), "none", 0

@@ -208,11 +208,19 @@ class Target:
         if not text:
             raise DsparkError("the prompt is empty; pass some text with --prompt")
         if chat and getattr(self.tokenizer, "chat_template", None):
-            rendered = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-            )
-            return self.tokenizer.encode(rendered, add_special_tokens=False)
+            return self.encode_chat([{"role": "user", "content": text}])
         return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered with the chat template, ready for the assistant's reply."""
+        self._require_tokenizer()
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise DsparkError(f"{self.path} has no chat template; send raw text to /v1/completions instead")
+        try:
+            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja2 errors raised by the template itself (e.g. role order)
+            raise DsparkError(f"the chat template rejected these messages: {e}") from None
+        return self.tokenizer.encode(rendered, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         self._require_tokenizer()

@@ -1,0 +1,124 @@
+"""`dspark serve`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import sys
+
+from dspark.cli.common import open_target, positive_int, target_args
+from dspark.errors import DsparkError
+
+POLICIES = "ar | full | fixed:K | threshold:C | dspark | dspark-async"
+
+
+def add_parsers(sub) -> None:
+    s = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server on the batched speculative engine",
+        description="Serve the target over an OpenAI-compatible API: POST /v1/chat/completions and "
+        "/v1/completions (streaming with `stream: true`), GET /v1/models, /health and /metrics (Prometheus). "
+        "Requests join and leave one continuous batch of --max-batch rows between engine steps; the drafter "
+        "drafts for all of them at once and --policy chooses how many drafts of each row the target verifies. "
+        "Output is distributed exactly as the target's own sampling (token-identical at temperature 0). "
+        "Stop with Ctrl-C or SIGTERM: in-flight requests get --shutdown-timeout seconds to finish.",
+    )
+    target_args(s, threads=True)
+    s.add_argument("--drafter", default="auto",
+                   help="auto | none | prompt-lookup | PATH to a drafter checkpoint (default auto: the DSpark "
+                   "drafter dspark ships for the target, else prompt-lookup)")
+    s.add_argument("--policy", default="dspark",
+                   help=f"verification policy: {POLICIES} (default dspark: Algorithm 1 on the target's profiled "
+                   "SPS curve, measured once per machine and cached)")
+    s.add_argument("--max-batch", type=positive_int, default=8, help="requests decoded together (default 8)")
+    s.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="context window per request, prompt + completion (default: the model's, at most 4096); "
+                   "the KV cache for --max-batch such windows is allocated at start")
+    s.add_argument("--max-waiting", type=positive_int, default=64,
+                   help="requests that may wait for a free row; beyond it the server answers 429 (default 64)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model directory's name, or smollm2)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on shutdown before they are cancelled (default 30)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server log level (default info)")
+    s.set_defaults(func=cmd_serve)
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail before loading the model when the address cannot be bound."""
+    if not 0 <= port <= 65535:
+        raise DsparkError(f"--port must be in 0..65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise DsparkError(f"--host {host!r} does not resolve: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(addr)
+        except OSError as e:
+            hint = "pick another with --port" if e.errno == errno.EADDRINUSE else "check --host / --port"
+            raise DsparkError(f"cannot listen on {host}:{port}: {e.strerror}; {hint}") from None
+
+
+def cmd_serve(args) -> int:
+    from pathlib import Path
+
+    import uvicorn
+
+    from dspark.draft.registry import check_drafter_spec, resolve_drafter_spec, split_spec
+    from dspark.schedule.policies import SPSTable, parse_policy
+    from dspark.schedule.sps import load_or_measure
+    from dspark.serve.engine import engine_factory
+    from dspark.serve.metrics import ServerMetrics
+    from dspark.serve.server import ServerInfo, create_app
+    from dspark.serve.service import EngineService
+    from dspark.target.loading import parse_dtype
+
+    # validate everything cheap before loading the model
+    if "@" in args.drafter and args.drafter not in ("auto", "none", "prompt-lookup") and \
+            not Path(args.drafter).exists():
+        raise DsparkError("dspark serve takes the verification rule as --policy (e.g. --policy full), "
+                          "not as --drafter PATH@RULE")
+    check_drafter_spec(args.drafter)
+    parse_policy(args.policy, SPSTable((1.0,)))
+    parse_dtype(args.dtype)
+    if args.shutdown_timeout < 0:
+        raise DsparkError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    _check_port(args.host, args.port)
+
+    target = open_target(args)
+    spec = resolve_drafter_spec(args.drafter, target)
+    if spec not in (None, "none", "prompt-lookup"):
+        spec = split_spec(spec)[0]
+    if args.max_model_len and args.max_model_len > target.model.max_positions:
+        raise DsparkError(f"--max-model-len {args.max_model_len} exceeds the model's {target.model.max_positions} "
+                          "positions")
+    max_len = min(args.max_model_len or 4096, target.model.max_positions)
+    make_engine, drafter_label, max_drafts = engine_factory(target, spec, max_len)
+    policy_name = args.policy if drafter_label != "none" else "ar"
+    sps = None
+    if policy_name in ("dspark", "dspark-async"):
+        sps, _, measured = load_or_measure(target, max_tokens=min(256, args.max_batch * (max_drafts + 1)))
+        if measured:
+            print(f"[dspark] profiled SPS(1..{sps.max_tokens}) of this target once; cached for later starts",
+                  file=sys.stderr)
+    engine = make_engine(parse_policy(policy_name, sps), args.max_batch)
+    name = args.served_model_name or (Path(args.model).name.removesuffix(".gguf") if args.model else "smollm2")
+    metrics = ServerMetrics(name, engine.drafter.max_drafts if engine.drafter else 0)
+    if sps is not None:
+        metrics.set_sps(sps.values)
+    service = EngineService(engine, metrics, args.max_waiting)
+    info = ServerInfo(name, engine.max_len, drafter_label, policy_name)
+    app = create_app(target, service, info)
+    print(f"[dspark] serving {name!r} on http://{args.host}:{args.port}/v1 — drafter {drafter_label}, policy "
+          f"{policy_name}, {args.max_batch} rows x {engine.max_len} tokens, "
+          f"{str(target.model.dtype).removeprefix('torch.')}", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    uvicorn.Server(config).run()
+    return 0
