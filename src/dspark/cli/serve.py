@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import signal
 import socket
 import sys
 
@@ -120,5 +121,7 @@ def cmd_serve(args) -> int:
           f"{str(target.model.dtype).removeprefix('torch.')}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it: that is a normal stop (exit 0)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     uvicorn.Server(config).run()
     return 0

@@ -131,6 +131,7 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting) or bool(self.active)
 
+    @torch.inference_mode()
     def cancel(self, request: Request) -> bool:
         """Drop a waiting or running request (finish reason "abort"); its cache row is free for the
         next step. False when it had already finished or was never submitted."""
