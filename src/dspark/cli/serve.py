@@ -66,6 +66,27 @@ def _check_port(host: str, port: int) -> None:
             raise DsparkError(f"cannot listen on {host}:{port}: {e.strerror}; {hint}") from None
 
 
+def run_beside(server, service) -> None:
+    """uvicorn in a thread, the engine loop in this one (the thread that loaded the model, see
+    serve/service.py). SIGTERM / Ctrl-C start uvicorn's graceful shutdown (a second Ctrl-C forces
+    it); its lifespan end stops the engine loop."""
+    import threading
+
+    def on_signal(signum, frame):
+        if server.should_exit and signum == signal.SIGINT:
+            server.force_exit = True
+        server.should_exit = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    http = threading.Thread(target=server.run, name="dspark-http")
+    http.start()
+    service.run(keep_going=http.is_alive)  # the HTTP thread dies if uvicorn cannot start
+    http.join()
+    if not server.started:
+        raise DsparkError("the HTTP server did not start (see the log above)")
+
+
 def cmd_serve(args) -> int:
     from pathlib import Path
 
@@ -121,7 +142,5 @@ def cmd_serve(args) -> int:
           f"{str(target.model.dtype).removeprefix('torch.')}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
-    # uvicorn shuts down gracefully on SIGTERM, then re-raises it: that is a normal stop (exit 0)
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
-    uvicorn.Server(config).run()
+    run_beside(uvicorn.Server(config), service)
     return 0

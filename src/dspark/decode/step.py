@@ -128,19 +128,23 @@ class DecodeStep:
         return [min(ell, n) for ell, n in zip(self.policy.lengths(survivals, drafted), drafted)]
 
     def _forward(self, cache, rows, drafts, lengths):
-        """One ragged forward over every cache row: row r holds [anchor, ℓ_r drafts], right-padded;
-        rows without a request compute padding at the start of their row."""
-        B, q = cache.batch_size, 1 + max(lengths)
+        """One ragged forward over the cache rows up to the last one in use: row r holds [anchor, ℓ_r
+        drafts], right-padded; rows between without a request compute padding at the start of their
+        row, rows after it are not computed."""
+        B, q = 1 + max(r.index for r in rows), 1 + max(lengths)
         ids = torch.zeros(B, q, dtype=torch.long)
         num_new = torch.zeros(B, dtype=torch.long)
         for r, d, ell in zip(rows, drafts, lengths):
             ids[r.index, : 1 + ell] = torch.tensor([r.anchor] + d[:ell])
             num_new[r.index] = 1 + ell
-        idle = torch.ones(B, dtype=torch.bool)
+        idle = torch.ones(cache.batch_size, dtype=torch.bool)
         idle[[r.index for r in rows]] = False
         cache.lengths[idle] = 0
         committed = cache.lengths.clone()
-        out = self.model(ids, cache, num_new=num_new, taps=self.taps)
+        view = cache.rows(0, B) if B < cache.batch_size else cache
+        out = self.model(ids, view, num_new=num_new, taps=self.taps)
+        if view is not cache:
+            cache.lengths[:B] = view.lengths
         self.steps += 1
         return committed, out, B * q
 

@@ -45,9 +45,8 @@ class ClientGone(Exception):
 def create_app(target, service: EngineService, info: ServerInfo) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        service.start()
         yield
-        await asyncio.to_thread(service.stop)
+        service.stop()  # uvicorn has finished (or timed out) the in-flight requests: end the engine loop
 
     app = FastAPI(title="dspark", version="0.1.0", lifespan=lifespan)
 

@@ -1,7 +1,13 @@
 """The server's engine loop: one thread owns the `Engine` and steps it while it has work; HTTP
-handlers (on the asyncio loop) submit and cancel through a thread-safe inbox that is drained between
-steps, and receive their tokens as events on their own loop. Requests thus join and leave the batch
-between engine steps, and a cancelled request frees its cache row before the next one."""
+handlers (on the asyncio loop, in another thread) submit and cancel through a thread-safe inbox that
+is drained between steps, and receive their tokens as events on their own loop. Requests thus join
+and leave the batch between engine steps, and a cancelled request frees its cache row before the
+next one.
+
+The loop runs in the thread that loaded the model (`dspark serve` runs it in the main thread and
+uvicorn beside it): PyTorch's OpenMP pool belongs to the thread that first used it, and CPU
+products from another thread ran ~2.5x slower on a 2-core machine (benchmarks/results/server.md).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from typing import Callable
 
 from dspark.errors import DsparkError
 from dspark.serve.engine import Engine, Request
@@ -58,23 +65,19 @@ class EngineService:
         self._jobs: set[Job] = set()  # submitted and not finished
         self._step_tokens = 0
         self._stopping = False
+        self._running = False
         self._closed = False  # set once the loop ends: nothing more is accepted
         self.error: str | None = None
-        self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
 
     # ---- called from the HTTP side ---------------------------------------------------------
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Cancel whatever is still queued or running and end the loop."""
+    def stop(self) -> None:
+        """End the loop at the next step boundary, cancelling whatever is still queued or running."""
         self._stopping = True
         self._inbox.put(None)
-        self._thread.join(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self._running and self.error is None
 
     def submit(self, request: Request) -> Job:
         """Queue `request` (raises QueueFull or EngineFailed); its events arrive on the calling loop."""
@@ -99,11 +102,13 @@ class EngineService:
             self._inbox.put(("cancel", job))
 
     # ---- the engine thread -------------------------------------------------------------------
-    def _run(self) -> None:
+    def run(self, keep_going: Callable[[], bool] = lambda: True) -> None:
+        """Step the engine until `stop` (or until `keep_going()` turns false), then end every open job."""
+        self._running = True
         try:
             while True:
                 self._drain(block=not self.engine.has_work())
-                if self._stopping:
+                if self._stopping or not keep_going():
                     break
                 if self.engine.has_work():
                     self.engine.step()
@@ -114,6 +119,7 @@ class EngineService:
             log.exception("engine loop failed")
             self.error = f"{type(e).__name__}: {e}"
         finally:
+            self._running = False
             self._shutdown()
 
     def _drain(self, block: bool) -> None:

@@ -63,13 +63,16 @@ class KVCache:
     def batch_size(self) -> int:
         return self.lengths.shape[0]
 
-    def row(self, b: int) -> "KVCache":
-        """A one-row view sharing this cache's K/V storage; copy `lengths` back after a forward."""
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """A view of rows [start, stop) sharing this cache's K/V storage; copy `lengths` back after a forward."""
         view = KVCache.__new__(KVCache)
-        view.k, view.v = self.k[:, b : b + 1], self.v[:, b : b + 1]
-        view.lengths = self.lengths[b : b + 1].clone()
+        view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
+        view.lengths = self.lengths[start:stop].clone()
         view.max_len = self.max_len
         return view
+
+    def row(self, b: int) -> "KVCache":
+        return self.rows(b, b + 1)
 
     def truncate(self, lengths: torch.Tensor | list[int] | int) -> None:
         new = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device).expand_as(self.lengths)

@@ -1,0 +1,221 @@
+"""`dspark serve` under load, over loopback HTTP with the `openai` client (issue 22).
+
+One server per policy (default `dspark` and `ar`; same target, drafter, dtype and --max-batch),
+started side by side and idle while the other is measured. At each concurrency C, closed-loop
+clients keep C streaming chat requests in flight over the bundled evaluation prompts (greedy,
+--max-tokens each); a level's requests run in two chunks, the policies taking turns in rotated order
+so that machine drift hits both alike. Per (C, policy): aggregate completion tok/s (all tokens over
+the chunks' wall time), median per-request decode tok/s (after the first token), median / p90 time
+to first token, τ and drafts from the responses' `dspark` stats, and failed / truncated responses
+(an error, no finish reason, or no usage). Bounded: --requests per level at most, each with a
+timeout. Writes OUT.json, OUT.md and OUT.png.
+
+    .venv/bin/python benchmarks/bench_server.py --out benchmarks/results/server
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from openai import AsyncOpenAI
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_engine import cpu_flags  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(policy: str, args) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "dspark.cli", "serve", "--port", str(port), "--policy", policy, "--dtype", args.dtype,
+           "--max-batch", str(args.max_batch), "--max-model-len", str(args.max_model_len), "--log-level", "warning",
+           "--threads", str(args.threads)]
+    proc = subprocess.Popen(cmd, stderr=sys.stderr)
+    deadline = time.time() + 900  # the first start may profile SPS
+    while True:
+        assert proc.poll() is None, f"server for {policy} exited with {proc.returncode}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, port
+        except OSError:
+            pass
+        assert time.time() < deadline, "server did not come up"
+        time.sleep(0.5)
+
+
+async def one_request(client: AsyncOpenAI, prompt: str, max_tokens: int, timeout: float) -> dict:
+    t0 = time.perf_counter()
+    out = {"ttft": None, "latency": None, "tokens": 0, "finish": None, "stats": None, "error": None}
+    try:
+        async with asyncio.timeout(timeout):
+            stream = await client.chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                temperature=0, stream=True, stream_options={"include_usage": True})
+            async for c in stream:
+                if c.choices and c.choices[0].delta.content and out["ttft"] is None:
+                    out["ttft"] = time.perf_counter() - t0
+                if c.choices and c.choices[0].finish_reason:
+                    out["finish"] = c.choices[0].finish_reason
+                if c.usage:
+                    out["tokens"] = c.usage.completion_tokens
+                out["stats"] = (c.model_extra or {}).get("dspark") or out["stats"]
+    except Exception as e:  # counted as failed, never hidden
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["latency"] = time.perf_counter() - t0
+    return out
+
+
+async def closed_loop(port: int, prompts: list[str], concurrency: int, max_tokens: int, timeout: float):
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    queue = list(reversed(prompts))
+    results = []
+
+    async def worker():
+        while queue:
+            results.append(await one_request(client, queue.pop(), max_tokens, timeout))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    return results, wall
+
+
+def summarize(results: list[dict], wall: float) -> dict:
+    ok = [r for r in results if r["error"] is None and r["finish"] and r["tokens"] and r["stats"]]
+    decode = [(r["tokens"] - 1) / (r["latency"] - r["ttft"]) for r in ok if r["tokens"] > 1 and r["ttft"]]
+    ttft = sorted(r["ttft"] for r in ok if r["ttft"] is not None)
+    rounds = sum(r["stats"]["rounds"] for r in ok)
+    return {
+        "requests": len(results),
+        "failed": sum(r["error"] is not None for r in results),
+        "truncated": sum(r["error"] is None and r not in ok for r in results),
+        "completion_tokens": sum(r["tokens"] for r in ok),
+        "wall_s": wall,
+        "aggregate_tok_s": sum(r["tokens"] for r in ok) / wall,
+        "per_request_decode_tok_s_median": statistics.median(decode) if decode else 0.0,
+        "ttft_median_s": statistics.median(ttft) if ttft else None,
+        "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))] if ttft else None,
+        "tau": sum(r["tokens"] - 1 for r in ok) / rounds if rounds else 0.0,
+        "draft_tokens": sum(r["stats"]["draft_tokens"] for r in ok),
+        "accepted_tokens": sum(r["stats"]["accepted_tokens"] for r in ok),
+        "errors": sorted({r["error"] for r in results if r["error"]})[:5],
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policies", default="dspark,ar")
+    ap.add_argument("--levels", default="1,4,16,32")
+    ap.add_argument("--requests", type=int, default=64, help="requests per level and policy at most (default 64)")
+    ap.add_argument("--min-requests", type=int, default=8, help="requests per level and policy at least (default 8)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per request before it counts as failed")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/server"))
+    args = ap.parse_args()
+    from dspark.eval.runner import default_datasets, load_eval_prompts
+
+    per_set = [load_eval_prompts(d) for d in default_datasets()]
+    prompts = [p for group in zip(*per_set) for p in group]  # datasets interleaved
+    policies = args.policies.split(",")
+    levels = [int(c) for c in args.levels.split(",")]
+    servers = {p: start_server(p, args) for p in policies}
+    rows = []
+    try:
+        for p, (_, port) in servers.items():  # warm-up: first steps allocate and pack
+            asyncio.run(closed_loop(port, prompts[:2], 2, 16, args.timeout))
+        offset = 0
+        for c in levels:
+            n = min(args.requests, max(args.min_requests, 2 * c))
+            level_prompts = [prompts[(offset + i) % len(prompts)] for i in range(n)]
+            offset += n
+            chunks = [level_prompts[: n // 2], level_prompts[n // 2:]]
+            parts = {p: [] for p in policies}
+            for k, chunk in enumerate(chunks):
+                for p in policies[k % len(policies):] + policies[: k % len(policies)]:
+                    parts[p].append(asyncio.run(closed_loop(servers[p][1], chunk, c, args.max_tokens, args.timeout)))
+            for p in policies:
+                results = [r for res, _ in parts[p] for r in res]
+                row = {"concurrency": c, "policy": p, **summarize(results, sum(w for _, w in parts[p]))}
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "errors"}), flush=True)
+    finally:
+        for proc, _ in servers.values():
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
+    report = {
+        "command": "benchmarks/bench_server.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                                                           if k != "out"),
+        "machine": {"flags": cpu_flags(), "threads": args.threads, "note": "clients and server share the CPU"},
+        "rows": rows,
+    }
+    if "ar" in policies:
+        report["speedup_over_ar"] = {
+            f"{r['policy']}@{r['concurrency']}": r["aggregate_tok_s"] / next(
+                a["aggregate_tok_s"] for a in rows if a["policy"] == "ar" and a["concurrency"] == r["concurrency"])
+            for r in rows if r["policy"] != "ar"}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    write_markdown(report, out.with_suffix(".md"))
+    plot(rows, policies, out.with_suffix(".png"))
+    print(out.with_suffix(".md").read_text())
+
+
+def write_markdown(report: dict, path: Path) -> None:
+    lines = [f"`{report['command']}` — CPU flags {' '.join(report['machine']['flags'])}, "
+             f"{report['machine']['threads']} threads ({report['machine']['note']})", "",
+             "| C | policy | requests | failed | truncated | aggregate tok/s | per-request decode tok/s (median) | "
+             "TTFT median / p90 (s) | τ | drafts verified / accepted |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        ttft = f"{r['ttft_median_s']:.3f} / {r['ttft_p90_s']:.3f}" if r["ttft_median_s"] is not None else "-"
+        lines.append(f"| {r['concurrency']} | {r['policy']} | {r['requests']} | {r['failed']} | {r['truncated']} | "
+                     f"{r['aggregate_tok_s']:.1f} | {r['per_request_decode_tok_s_median']:.1f} | {ttft} | "
+                     f"{r['tau']:.2f} | {r['draft_tokens']} / {r['accepted_tokens']} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(rows: list[dict], policies: list[str], path: Path) -> None:
+    from dspark.util.plotting import pyplot
+
+    plt = pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for p in policies:
+        mine = [r for r in rows if r["policy"] == p]
+        cs = [r["concurrency"] for r in mine]
+        a.plot(cs, [r["aggregate_tok_s"] for r in mine], marker="o", label=p)
+        b.plot(cs, [r["per_request_decode_tok_s_median"] for r in mine], marker="o", label=p)
+    for ax, title in ((a, "aggregate completion tok/s"), (b, "per-request decode tok/s (median)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streaming clients")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
