@@ -7,8 +7,9 @@ clients keep C streaming chat requests in flight over the bundled evaluation pro
 so that machine drift hits both alike. Per (C, policy): aggregate completion tok/s (all tokens over
 the chunks' wall time), median per-request decode tok/s (after the first token), median / p90 time
 to first token, τ and drafts from the responses' `dspark` stats, and failed / truncated responses
-(an error, no finish reason, or no usage). Bounded: --requests per level at most, each with a
-timeout. Writes OUT.json, OUT.md and OUT.png.
+(an error, no finish reason, or no usage). Beside them, in the benchmark's own process, the same
+closed loop on an in-process `Engine` under `ar` (no HTTP, no client): the cost of serving.
+Bounded: --requests per level at most, each with a timeout. Writes OUT.json, OUT.md and OUT.png.
 
     .venv/bin/python benchmarks/bench_server.py --out benchmarks/results/server
 """
@@ -39,6 +40,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def profile_first(args) -> None:
+    """Measure (or find cached) the SPS curve the dspark servers will load, in a process of its own: a
+    process that has just run forwards of 256 distinct sizes decodes ~10% slower afterwards on this
+    runner (benchmarks/results/README.md), which would handicap whichever server profiled."""
+    code = ("import torch; torch.set_num_threads({t}); from dspark.target.loading import load_target; "
+            "from dspark.schedule.sps import load_or_measure; "
+            "load_or_measure(load_target(None, dtype='{d}'), max_tokens=min(256, {b} * 9))")
+    subprocess.run([sys.executable, "-c", code.format(t=args.threads, d=args.dtype, b=args.max_batch)], check=True)
 
 
 def start_server(policy: str, args) -> tuple[subprocess.Popen, int]:
@@ -98,6 +109,22 @@ async def closed_loop(port: int, prompts: list[str], concurrency: int, max_token
     return results, wall
 
 
+def in_process(target, prompts: list[str], concurrency: int, max_tokens: int, max_len: int = 1024):
+    """The same closed loop on an in-process `Engine` under `ar` (no HTTP, no client): what serving costs."""
+    from dspark.decode.sampling import SamplingParams
+    from dspark.schedule.policies import ARPolicy
+    from dspark.serve.engine import Engine, Request
+
+    engine = Engine(target, policy=ARPolicy(), max_batch=concurrency, max_len=max_len)
+    requests = [Request(target.encode_prompt(p), max_tokens, SamplingParams()) for p in prompts]
+    t0 = time.perf_counter()
+    engine.run(requests)
+    wall = time.perf_counter() - t0
+    return [{"ttft": r.first_token_at - r.submitted_at, "latency": r.finished_at - r.submitted_at,
+             "tokens": len(r.token_ids), "finish": r.finish_reason, "error": None,
+             "stats": {"rounds": len(r.rounds), "draft_tokens": 0, "accepted_tokens": 0}} for r in requests], wall
+
+
 def summarize(results: list[dict], wall: float) -> dict:
     ok = [r for r in results if r["error"] is None and r["finish"] and r["tokens"] and r["stats"]]
     decode = [(r["tokens"] - 1) / (r["latency"] - r["ttft"]) for r in ok if r["tokens"] > 1 and r["ttft"]]
@@ -132,6 +159,8 @@ def main():
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per request before it counts as failed")
+    ap.add_argument("--no-in-process", dest="in_process", action="store_false",
+                    help="skip the in-process engine (ar, no HTTP) run beside the servers")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/server"))
     args = ap.parse_args()
     from dspark.eval.runner import default_datasets, load_eval_prompts
@@ -140,8 +169,21 @@ def main():
     prompts = [p for group in zip(*per_set) for p in group]  # datasets interleaved
     policies = args.policies.split(",")
     levels = [int(c) for c in args.levels.split(",")]
+    profile_first(args)
     servers = {p: start_server(p, args) for p in policies}
     rows = []
+    runners = {p: (lambda chunk, c, port=port: asyncio.run(closed_loop(port, chunk, c, args.max_tokens, args.timeout)))
+               for p, (_, port) in servers.items()}
+    if args.in_process:
+        import torch
+
+        from dspark.target.loading import load_target
+
+        torch.set_num_threads(args.threads)
+        target = load_target(None, dtype=args.dtype)
+        in_process(target, prompts[:2], 2, 16)  # warm-up
+        runners["engine-ar (in-process)"] = lambda chunk, c: in_process(target, chunk, c, args.max_tokens,
+                                                                          args.max_model_len)
     try:
         for p, (_, port) in servers.items():  # warm-up: first steps allocate and pack
             asyncio.run(closed_loop(port, prompts[:2], 2, 16, args.timeout))
@@ -151,13 +193,16 @@ def main():
             level_prompts = [prompts[(offset + i) % len(prompts)] for i in range(n)]
             offset += n
             chunks = [level_prompts[: n // 2], level_prompts[n // 2:]]
-            parts = {p: [] for p in policies}
+            names = list(runners)
+            parts = {p: [] for p in names}
             for k, chunk in enumerate(chunks):
-                for p in policies[k % len(policies):] + policies[: k % len(policies)]:
-                    parts[p].append(asyncio.run(closed_loop(servers[p][1], chunk, c, args.max_tokens, args.timeout)))
-            for p in policies:
+                for p in names[k % len(names):] + names[: k % len(names)]:
+                    parts[p].append(runners[p](chunk, c))
+            for p in names:
                 results = [r for res, _ in parts[p] for r in res]
                 row = {"concurrency": c, "policy": p, **summarize(results, sum(w for _, w in parts[p]))}
+                if p.startswith("engine"):  # all of a chunk is submitted at once: its TTFT would be queueing
+                    row["ttft_median_s"] = row["ttft_p90_s"] = None
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "errors"}), flush=True)
     finally:
@@ -166,7 +211,8 @@ def main():
             proc.wait(120)
     report = {
         "command": "benchmarks/bench_server.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                                                           if k != "out"),
+                                                           if k not in ("out", "in_process"))
+        + ("" if args.in_process else " --no-in-process"),
         "machine": {"flags": cpu_flags(), "threads": args.threads, "note": "clients and server share the CPU"},
         "rows": rows,
     }
@@ -179,7 +225,7 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     write_markdown(report, out.with_suffix(".md"))
-    plot(rows, policies, out.with_suffix(".png"))
+    plot(rows, list(dict.fromkeys(r["policy"] for r in rows)), out.with_suffix(".png"))
     print(out.with_suffix(".md").read_text())
 
 

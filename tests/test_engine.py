@@ -196,6 +196,29 @@ def test_engine_rejects_bad_requests(tiny_targets):
         assert ar.generate(r.prompt_ids, 50).token_ids[: len(r.token_ids)] == r.token_ids
 
 
+def test_cancelled_requests_free_their_rows_and_leave_the_others_exact(tiny_targets):
+    """A running and a waiting request are cancelled between steps: both end as "abort", the freed row
+    takes the next request (drafter state reset), and every other request stays token-identical."""
+    target = load_target(tiny_targets[0][1], dtype=torch.float32, require_tokenizer=False)
+    drafter = make_random_dspark(target, "vanilla", block_size=4, std=0.3)
+    engine = Engine(target, policy=parse_policy("full"), max_batch=2, max_len=64, draft_model=drafter.model)
+    finished = []
+    reqs = [Request([3 + i, 7, 11 + i, 5], 30, on_finish=finished.append) for i in range(4)]
+    for r in reqs:
+        engine.submit(r)
+    engine.step()
+    engine.step()  # rows: reqs 0 and 1; waiting: reqs 2 and 3
+    assert engine.cancel(reqs[0]) and engine.cancel(reqs[3])
+    assert not engine.cancel(reqs[0]) and not engine.cancel(Request([1, 2], 4))
+    assert [r.finish_reason for r in finished] == ["abort", "abort"] and int(engine.cache.lengths[0]) == 0
+    while engine.has_work():
+        engine.step()
+    ar = Decoder(target)
+    for r in (reqs[1], reqs[2]):
+        assert r.token_ids == ar.generate(r.prompt_ids, 30).token_ids
+    assert engine.active == [] and not engine.waiting and len(finished) == 4
+
+
 def test_bench_serve_cli(tmp_path):
     
     ds = tmp_path / "p.jsonl"
