@@ -210,8 +210,8 @@ def main():
             proc.send_signal(signal.SIGTERM)
             proc.wait(120)
     report = {
-        "command": "benchmarks/bench_server.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                                                           if k not in ("out", "in_process"))
+        "command": "benchmarks/bench_server.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "in_process"))
         + ("" if args.in_process else " --no-in-process"),
         "machine": {"flags": cpu_flags(), "threads": args.threads, "note": "clients and server share the CPU"},
         "rows": rows,

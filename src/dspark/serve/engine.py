@@ -215,8 +215,8 @@ class Engine:
 
 def engine_factory(target, drafter_spec: str | None, max_len: int | None = None):
     """(make(policy, max_batch) -> Engine, drafter label, drafts per row at most) for a resolved
-    --drafter value (a PATH@RULE's rule is the policy's business, not read here). `max_len` bounds each slot's context (the KV cache is allocated for
-    max_batch x max_len up front)."""
+    --drafter value (a PATH@RULE's rule is the policy's business, not read here). `max_len` bounds
+    each slot's context (the KV cache is allocated for max_batch x max_len up front)."""
     from dspark.draft.dspark import DSparkModel, ModelDrafter
     from dspark.draft.registry import load_drafter
 

@@ -6,9 +6,8 @@ silently gets something other than what it asked for."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
-
 import re
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
