@@ -348,7 +348,7 @@ def test_clients_that_disconnect_free_their_rows(tiny_server):
     whole = []
     for i in range(4):
         c = tiny_server.connection()
-        c.request("POST", "/v1/chat/completions", json.dumps(chat(f"Essay {i}", max_tokens=3000)),
+        c.request("POST", "/v1/chat/completions", json.dumps(chat(f"Essay {i}", max_tokens=3000, seed=100 + i)),
                   {"Content-Type": "application/json"})
         whole.append(c)
     time.sleep(0.5)
