@@ -42,16 +42,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def profile_first(args) -> None:
-    """Measure (or find cached) the SPS curve the dspark servers will load, in a process of its own: a
-    process that has just run forwards of 256 distinct sizes decodes ~10% slower afterwards on this
-    runner (benchmarks/results/README.md), which would handicap whichever server profiled."""
-    code = ("import torch; torch.set_num_threads({t}); from dspark.target.loading import load_target; "
-            "from dspark.schedule.sps import load_or_measure; "
-            "load_or_measure(load_target(None, dtype='{d}'), max_tokens=min(256, {b} * 9))")
-    subprocess.run([sys.executable, "-c", code.format(t=args.threads, d=args.dtype, b=args.max_batch)], check=True)
-
-
 def start_server(policy: str, args) -> tuple[subprocess.Popen, int]:
     port = free_port()
     cmd = [sys.executable, "-m", "dspark.cli", "serve", "--port", str(port), "--policy", policy, "--dtype", args.dtype,
@@ -169,7 +159,6 @@ def main():
     prompts = [p for group in zip(*per_set) for p in group]  # datasets interleaved
     policies = args.policies.split(",")
     levels = [int(c) for c in args.levels.split(",")]
-    profile_first(args)
     servers = {p: start_server(p, args) for p in policies}
     rows = []
     runners = {p: (lambda chunk, c, port=port: asyncio.run(closed_loop(port, chunk, c, args.max_tokens, args.timeout)))

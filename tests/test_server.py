@@ -351,7 +351,13 @@ def test_clients_that_disconnect_free_their_rows(tiny_server):
         c.request("POST", "/v1/chat/completions", json.dumps(chat(f"Essay {i}", max_tokens=3000, seed=100 + i)),
                   {"Content-Type": "application/json"})
         whole.append(c)
-    time.sleep(0.5)
+    deadline = time.time() + 30
+    while True:  # every request has reached the engine (a connection closed before is never run)
+        m = tiny_server.metrics()
+        if m[("dspark:num_requests_running", ())] + m[("dspark:num_requests_waiting", ())] == 20:
+            break
+        assert time.time() < deadline, m
+        time.sleep(0.05)
     for sock, reader in streams:
         reader.file.close()
         sock.close()
@@ -361,7 +367,7 @@ def test_clients_that_disconnect_free_their_rows(tiny_server):
     assert after[("dspark:kv_cache_usage_perc", ())] == 0
     aborted = after[("dspark:request_success_total", (("finished_reason", "abort"),))] - \
         before[("dspark:request_success_total", (("finished_reason", "abort"),))]
-    assert aborted == 20
+    assert aborted == 20, after
     r = tiny_server.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                      max_tokens=5)
     assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"

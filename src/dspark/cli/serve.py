@@ -66,6 +66,24 @@ def _check_port(host: str, port: int) -> None:
             raise DsparkError(f"cannot listen on {host}:{port}: {e.strerror}; {hint}") from None
 
 
+def _profile_apart(args, max_tokens: int) -> None:
+    """Profile the SPS curve once with `dspark profile` in a process of its own: after forwards of
+    hundreds of distinct sizes a process decodes ~10% slower (benchmarks/results/README.md, server),
+    which the server would otherwise carry until restarted. If that fails, the server measures itself."""
+    import subprocess
+    import tempfile
+
+    print(f"[dspark] profiling this target's SPS(1..{max_tokens}) once (cached for later starts)", file=sys.stderr,
+          flush=True)
+    cmd = [sys.executable, "-m", "dspark.cli", "profile", "--max-tokens", str(max_tokens), "--dtype", args.dtype]
+    cmd += ["--model", args.model] if args.model else []
+    cmd += ["--threads", str(args.threads)] if args.threads else []
+    with tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run(cmd + ["--plot", f"{tmp}/sps.png"], stdout=subprocess.DEVNULL)
+    if done.returncode != 0:
+        print("[dspark] the separate profile failed; measuring in this process", file=sys.stderr)
+
+
 def run_beside(server, service) -> None:
     """uvicorn in a thread, the engine loop in this one (the thread that loaded the model, see
     serve/service.py). SIGTERM / Ctrl-C start uvicorn's graceful shutdown (a second Ctrl-C forces
@@ -94,7 +112,7 @@ def cmd_serve(args) -> int:
 
     from dspark.draft.registry import check_drafter_spec, resolve_drafter_spec, split_spec
     from dspark.schedule.policies import SPSTable, parse_policy
-    from dspark.schedule.sps import load_or_measure
+    from dspark.schedule.sps import cached_sps, load_or_measure
     from dspark.serve.engine import engine_factory
     from dspark.serve.metrics import ServerMetrics
     from dspark.serve.server import ServerInfo, create_app
@@ -125,10 +143,13 @@ def cmd_serve(args) -> int:
     policy_name = args.policy if drafter_label != "none" else "ar"
     sps = None
     if policy_name in ("dspark", "dspark-async"):
-        sps, _, measured = load_or_measure(target, max_tokens=min(256, args.max_batch * (max_drafts + 1)))
+        sps_tokens = min(256, args.max_batch * (max_drafts + 1))
+        if cached_sps(target, sps_tokens) is None:
+            _profile_apart(args, sps_tokens)
+        sps, _, measured = load_or_measure(target, max_tokens=sps_tokens)
         if measured:
-            print(f"[dspark] profiled SPS(1..{sps.max_tokens}) of this target once; cached for later starts",
-                  file=sys.stderr)
+            print(f"[dspark] profiled SPS(1..{sps.max_tokens}) of this target in this process; cached for later "
+                  "starts", file=sys.stderr)
     engine = make_engine(parse_policy(policy_name, sps), args.max_batch)
     name = args.served_model_name or (Path(args.model).name.removesuffix(".gguf") if args.model else "smollm2")
     metrics = ServerMetrics(name, engine.drafter.max_drafts if engine.drafter else 0)

@@ -94,15 +94,27 @@ def load_or_measure(target, max_tokens: int = 64, context: int = 256, reps: int 
     context = fit_context(target, context, max_tokens)
     key = profile_key(target, max_tokens, context)
     path = cache_file(key)
-    data = None if force else _read_cache(path, key)
-    try:
-        if data is not None:
-            return SPSTable(tuple(data["sps"])), path, False
-    except (KeyError, TypeError, ValueError, DsparkError):
-        pass  # unreadable cache: measure again
+    table = None if force else _cached_table(path, key)
+    if table is not None:
+        return table, path, False
     table = measure_sps(target, max_tokens, context, reps, progress)
     _write_cache(path, {"key": key, "sps": list(table.values)})
     return table, path, True
+
+
+def cached_sps(target, max_tokens: int = 64, context: int = 256) -> SPSTable | None:
+    """The cached table `load_or_measure` would return, or None when it would have to measure."""
+    context = fit_context(target, context, max_tokens)
+    key = profile_key(target, max_tokens, context)
+    return _cached_table(cache_file(key), key)
+
+
+def _cached_table(path: Path, key: dict) -> SPSTable | None:
+    data = _read_cache(path, key)
+    try:
+        return SPSTable(tuple(data["sps"])) if data is not None else None
+    except (KeyError, TypeError, ValueError, DsparkError):
+        return None  # unreadable cache: measure again
 
 
 def _read_cache(path: Path, key: dict) -> dict | None:

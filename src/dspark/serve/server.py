@@ -156,13 +156,19 @@ def create_app(target, service: EngineService, info: ServerInfo) -> FastAPI:
 
 
 async def _events(job: Job, http: Request):
-    """The job's token-id lists as they come; raises ClientGone when the client disconnects."""
+    """The job's token-id lists as they come; raises ClientGone when the client disconnects (checked
+    every POLL_S, tokens flowing or not)."""
+    next_check = time.monotonic() + POLL_S
     while True:
         try:
             event = await asyncio.wait_for(job.events.get(), POLL_S)
         except TimeoutError:
+            event = ...
+        if time.monotonic() >= next_check:
             if await http.is_disconnected():
-                raise ClientGone() from None
+                raise ClientGone()
+            next_check = time.monotonic() + POLL_S
+        if event is ...:
             continue
         if event is None:
             return
