@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -40,14 +40,14 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = name
-        self.log = open(os.devnull, "w")
+        self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a server that logs much never blocks
         self.proc = subprocess.Popen([sys.executable, "-m", "dspark.cli", "serve", "--port", str(self.port),
-                                      "--log-level", "warning", *args], stdout=self.log, stderr=subprocess.PIPE,
-                                     text=True)
+                                      "--log-level", "warning", *args], stdout=subprocess.DEVNULL, stderr=self.log)
         deadline = time.time() + 300
         while True:
             if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}: {self.proc.stderr.read()}")
+                self.log.seek(0)
+                raise AssertionError(f"server exited with {self.proc.returncode}: {self.log.read()}")
             try:
                 if self.get("/health")[0] == 200:
                     break
@@ -101,7 +101,6 @@ class Server:
             return self.proc.wait(60)
         finally:
             self.log.close()
-            self.proc.stderr.close()
 
 
 def open_stream(server: Server, body: dict) -> tuple[socket.socket, "SSEReader"]:
