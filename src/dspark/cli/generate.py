@@ -77,8 +77,8 @@ def cmd_generate(args) -> int:
         auto_rule="full" if args.confidence_threshold is not None else "dspark")
     if prompt_ids is None:
         prompt_ids = target.encode_prompt(args.prompt, chat=not args.raw)
-    elif bad := [i for i in prompt_ids if not 0 <= i < target.cfg.vocab_size]:
-        raise DsparkError(f"--prompt-ids {bad[:5]} are outside the vocabulary (0..{target.cfg.vocab_size - 1})")
+    else:
+        target.check_token_ids(prompt_ids, "--prompt-ids")
     decoder = Decoder(target, drafter, policy)
 
     streamer = None

@@ -117,11 +117,10 @@ def cmd_serve(args) -> int:
     from dspark.serve.metrics import ServerMetrics
     from dspark.serve.server import ServerInfo, create_app
     from dspark.serve.service import EngineService
-    from dspark.target.loading import parse_dtype
+    from dspark.target.loading import DEFAULT_MODEL, parse_dtype
 
     # validate everything cheap before loading the model
-    if "@" in args.drafter and args.drafter not in ("auto", "none", "prompt-lookup") and \
-            not Path(args.drafter).exists():
+    if "@" in args.drafter and not Path(args.drafter).exists():
         raise DsparkError("dspark serve takes the verification rule as --policy (e.g. --policy full), "
                           "not as --drafter PATH@RULE")
     check_drafter_spec(args.drafter)
@@ -151,12 +150,12 @@ def cmd_serve(args) -> int:
             print(f"[dspark] profiled SPS(1..{sps.max_tokens}) of this target in this process; cached for later "
                   "starts", file=sys.stderr)
     engine = make_engine(parse_policy(policy_name, sps), args.max_batch)
-    name = args.served_model_name or (Path(args.model).name.removesuffix(".gguf") if args.model else "smollm2")
+    name = args.served_model_name or (Path(args.model).name.removesuffix(".gguf") if args.model else DEFAULT_MODEL)
     metrics = ServerMetrics(name, engine.drafter.max_drafts if engine.drafter else 0)
     if sps is not None:
         metrics.set_sps(sps.values)
     service = EngineService(engine, metrics, args.max_waiting)
-    info = ServerInfo(name, engine.max_len, drafter_label, policy_name)
+    info = ServerInfo(name, drafter_label, policy_name)
     app = create_app(target, service, info)
     print(f"[dspark] serving {name!r} on http://{args.host}:{args.port}/v1 — drafter {drafter_label}, policy "
           f"{policy_name}, {args.max_batch} rows x {engine.max_len} tokens, "

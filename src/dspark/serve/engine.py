@@ -117,12 +117,17 @@ class Engine:
             raise DsparkError("the prompt is empty")
         if request.max_new_tokens < 1:
             raise DsparkError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
-        if len(request.prompt_ids) + 2 > self.max_len:
+        if len(request.prompt_ids) > self.max_prompt_len:
             raise DsparkError(f"prompt of {len(request.prompt_ids)} tokens leaves no room in the {self.max_len}-token context")
         request.id = request.id or f"req-{next(self._ids)}"
         request.submitted_at = time.perf_counter()
         self.waiting.append(request)
         return request
+
+    @property
+    def max_prompt_len(self) -> int:
+        """The longest prompt a request may bring: room must remain for its first tokens."""
+        return self.max_len - 2
 
     @property
     def active(self) -> list[int]:

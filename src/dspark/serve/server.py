@@ -32,7 +32,6 @@ POLL_S = 0.25  # how often a handler waiting for tokens checks whether its clien
 @dataclasses.dataclass
 class ServerInfo:
     model_name: str
-    max_len: int  # the context window each request gets (prompt + completion)
     drafter: str
     policy: str
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
@@ -72,7 +71,7 @@ def create_app(target, service: EngineService, info: ServerInfo) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{"id": info.model_name, "object": "model", "created": info.created,
                                             "owned_by": "dspark", "root": str(target.path),
-                                            "max_model_len": info.max_len}]}
+                                            "max_model_len": service.engine.max_len}]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request):
@@ -90,10 +89,11 @@ def create_app(target, service: EngineService, info: ServerInfo) -> FastAPI:
         body = await _parse(http, CompletionRequest)
         if isinstance(body.prompt, str):
             prompt_ids = target.tokenizer.encode(body.prompt, add_special_tokens=True)
-        elif bad := [i for i in body.prompt if i >= target.cfg.vocab_size]:
-            raise APIError(400, f"prompt: token ids {bad[:5]} are outside the vocabulary "
-                           f"(0..{target.cfg.vocab_size - 1})", "prompt")
         else:
+            try:
+                target.check_token_ids(body.prompt, "prompt: token ids")
+            except DsparkError as e:
+                raise APIError(400, str(e), "prompt") from None
             prompt_ids = list(body.prompt)
         return await _generate(http, body, prompt_ids, "prompt", "max_tokens", chat=False)
 
@@ -115,20 +115,17 @@ def create_app(target, service: EngineService, info: ServerInfo) -> FastAPI:
         return body
 
     async def _generate(http: Request, body, prompt_ids: list[int], prompt_field: str, limit_field: str, chat: bool):
-        n, window = len(prompt_ids), info.max_len
-        if n + 2 > window:
+        n, window = len(prompt_ids), service.engine.max_len
+        if n > service.engine.max_prompt_len:
             raise APIError(400, f"{prompt_field}: the prompt has {n} tokens; this model's context window is "
-                           f"{window} tokens (at most {window - 2} for the prompt)", prompt_field,
+                           f"{window} tokens (at most {service.engine.max_prompt_len} for the prompt)", prompt_field,
                            "context_length_exceeded")
         limit = body.token_limit if body.token_limit is not None else window - n
         if n + limit > window:
             raise APIError(400, f"{limit_field}: {limit} completion tokens plus the prompt's {n} exceed this model's "
                            f"context window of {window} tokens (at most {window - n})", limit_field,
                            "context_length_exceeded")
-        try:
-            params = SamplingParams(body.temperature, max(body.top_k, 0), body.top_p)
-        except DsparkError as e:
-            raise APIError(400, str(e)) from None
+        params = SamplingParams(body.temperature, max(body.top_k, 0), body.top_p)  # ranges checked by the protocol
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         request = engine_mod.Request(prompt_ids, limit, params, seed=body.seed, stop=body.stop_strings, id=rid)
         try:

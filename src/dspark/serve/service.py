@@ -43,7 +43,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     arrived: float
-    started: bool = False  # holds a cache row (prefilled)
+    queued: bool = True  # counted in the waiting queue (until it takes a row, is cancelled or refused)
     rounds_seen: int = 0
     last_emit: float = 0.0
 
@@ -87,7 +87,7 @@ class EngineService:
         request.on_finish = lambda r: self._on_finish(job)
         with self._lock:
             if self._closed or self.error is not None:
-                raise EngineFailed(f"the engine stopped: {self.error or 'server shutting down'}")
+                raise self._stopped()
             if self._queued >= self.max_waiting:
                 self.metrics.rejected("queue_full")
                 raise QueueFull(f"the server's queue is full ({self.max_waiting} requests waiting); retry later")
@@ -140,8 +140,8 @@ class EngineService:
         try:
             self.engine.submit(job.request)
         except DsparkError as e:  # the handlers check limits first: this is a last line of defence
+            self._leave_queue(job)
             with self._lock:
-                self._queued -= 1
                 self._jobs.discard(job)
             job.push(e)
 
@@ -154,8 +154,8 @@ class EngineService:
 
     def _on_tokens(self, job: Job, ids: list[int]) -> None:
         now, m, r = time.perf_counter(), self.metrics, job.request
-        if not job.started:
-            self._started(job)
+        if job.queued:  # its first token: the prompt is in its row
+            self._leave_queue(job)
             m.prompt_tokens.inc(len(r.prompt_ids))
             m.ttft.observe(now - job.arrived)
         else:
@@ -167,8 +167,8 @@ class EngineService:
         job.push(ids)
 
     def _on_finish(self, job: Job) -> None:
-        if not job.started:  # cancelled while waiting
-            self._started(job)
+        if job.queued:  # cancelled while waiting
+            self._leave_queue(job)
         self._count_rounds(job)
         self.metrics.finished(job.request.finish_reason)
         self.metrics.e2e.observe(time.perf_counter() - job.arrived)
@@ -176,10 +176,13 @@ class EngineService:
             self._jobs.discard(job)
         job.push(None)
 
-    def _started(self, job: Job) -> None:
-        job.started = True
+    def _leave_queue(self, job: Job) -> None:
+        job.queued = False
         with self._lock:
             self._queued -= 1
+
+    def _stopped(self) -> EngineFailed:
+        return EngineFailed(f"the engine stopped: {self.error or 'server shutting down'}")
 
     def _count_rounds(self, job: Job) -> None:
         for rnd in job.request.rounds[job.rounds_seen:]:
@@ -197,7 +200,7 @@ class EngineService:
                 continue  # on_finish pushed its end
             with self._lock:
                 self._jobs.discard(job)
-            job.push(EngineFailed(f"the engine stopped: {self.error or 'server shutting down'}"))
+            job.push(self._stopped())
         try:
             self._publish()
         except Exception:

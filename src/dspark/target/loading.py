@@ -222,6 +222,11 @@ class Target:
             raise DsparkError(f"the chat template rejected these messages: {e}") from None
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
+    def check_token_ids(self, ids: list[int], what: str) -> None:
+        """Refuse token ids outside the vocabulary; `what` names them in the message."""
+        if bad := [i for i in ids if not 0 <= i < self.cfg.vocab_size]:
+            raise DsparkError(f"{what} {bad[:5]} are outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+
     def decode(self, ids: list[int]) -> str:
         self._require_tokenizer()
         return self.tokenizer.decode(ids, skip_special_tokens=True)
