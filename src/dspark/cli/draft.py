@@ -90,7 +90,7 @@ def cmd_draft_init(args) -> int:
     from dspark.draft.dspark import DSparkModel
     from dspark.target.loading import parse_dtype
 
-    dtype = parse_dtype(args.dtype)
+    dtype = parse_dtype(args.dtype, quantised=False)
     head = "vanilla" if args.head == "markov" else args.head
     confidence = args.confidence_head if args.confidence_head is not None else head != "none"
     taps = _tap_layers(args.tap_layers)
@@ -135,6 +135,6 @@ def cmd_draft_convert(args) -> int:
 
     check_writable(args.out)
     target = _fp32_target(args)
-    out = convert_drafter(args.drafter, target, args.out, parse_dtype(args.dtype))
+    out = convert_drafter(args.drafter, target, args.out, parse_dtype(args.dtype, quantised=False))
     print(f"wrote {out} ({args.dtype})")
     return 0

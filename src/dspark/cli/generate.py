@@ -114,6 +114,6 @@ def _report(args, target, result, streamer, drafter_spec: str | None) -> None:
             f"[dspark] {s.new_tokens} tokens, {s.rounds} rounds, tau {s.tau:.2f}, "
             f"decode {s.decode_tok_s:.1f} tok/s (draft {s.draft_s:.2f} s + verify {s.verify_s:.2f} s), "
             f"prefill {s.prefill_s:.2f} s, "
-            f"drafter {drafter_spec}, {str(target.model.dtype).removeprefix('torch.')}, finish {result.finish_reason}",
+            f"drafter {drafter_spec}, {target.model.precision}, finish {result.finish_reason}",
             file=sys.stderr,
         )

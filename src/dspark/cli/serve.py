@@ -159,7 +159,7 @@ def cmd_serve(args) -> int:
     app = create_app(target, service, info)
     print(f"[dspark] serving {name!r} on http://{args.host}:{args.port}/v1 — drafter {drafter_label}, policy "
           f"{policy_name}, {args.max_batch} rows x {engine.max_len} tokens, "
-          f"{str(target.model.dtype).removeprefix('torch.')}", file=sys.stderr, flush=True)
+          f"{target.model.precision}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     run_beside(uvicorn.Server(config), service)

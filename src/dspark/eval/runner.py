@@ -17,6 +17,7 @@ from dspark.draft.registry import drafter_digest, resolve_drafter_spec, split_sp
 from dspark.errors import DsparkError
 from dspark.eval import metrics
 from dspark.schedule.rules import load_speculation
+from dspark.target.loading import dtype_key
 from dspark.train.data import read_jsonl
 from dspark.util.journal import Journal, json_digest
 
@@ -106,7 +107,7 @@ def evaluate(
         threshold = confidence_threshold if spec not in ("prompt-lookup", "none") else None
         _, drafters[name], policy = load_speculation(spec, target, None, threshold)
         engines[name] = Decoder(target, drafters[name], policy)
-    settings = {"target": str(target.path), "dtype": str(target.model.dtype), "max_new_tokens": max_new_tokens,
+    settings = {"target": str(target.path), "dtype": dtype_key(target.model), "max_new_tokens": max_new_tokens,
                 "temperatures": temperatures, "seed": seed, "confidence_threshold": confidence_threshold,
                 "datasets": {ds: json_digest(p) for ds, p in prompt_sets.items()},
                 "drafters": {spec: drafter_digest(spec) for spec in drafter_specs}}

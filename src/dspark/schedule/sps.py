@@ -18,6 +18,7 @@ from tqdm import tqdm
 from dspark.decode.sampling import SamplingParams
 from dspark.errors import DsparkError
 from dspark.schedule.policies import SPSTable
+from dspark.target.model import RUNNER_VERSION
 from dspark.util.cache import cache_root
 from dspark.util.files import atomic_write_text
 from dspark.util.journal import json_digest
@@ -47,7 +48,8 @@ def profile_key(target, max_tokens: int, context: int) -> dict:
     device = target.model.device
     return {
         "model": str(target.path),
-        "dtype": str(target.model.dtype).removeprefix("torch."),
+        "dtype": target.model.precision,
+        "runner": RUNNER_VERSION,  # a faster runner makes older profiles wrong
         "threads": torch.get_num_threads(),
         "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else _machine(),
         "max_tokens": max_tokens,

@@ -18,6 +18,7 @@ from dspark.decode.sampling import SamplingParams
 from dspark.draft.registry import drafter_digest, resolve_drafter_spec
 from dspark.schedule.policies import parse_policy
 from dspark.serve.engine import Engine, Request, engine_factory
+from dspark.target.loading import dtype_key
 from dspark.util.journal import Journal, json_digest
 from dspark.util.plotting import pyplot
 
@@ -32,7 +33,7 @@ def bench_serve(target, drafter_spec, policies: list[str], levels: list[int], pr
     drafter_spec = resolve_drafter_spec(drafter_spec, target)
     encoded = [target.encode_prompt(p) for p in prompts]
     make, label, _ = engine_factory(target, drafter_spec, max(map(len, encoded)) + max_new_tokens + 1)
-    settings = {"target": str(target.path), "dtype": str(target.model.dtype), "drafter": drafter_digest(str(drafter_spec)),
+    settings = {"target": str(target.path), "dtype": dtype_key(target.model), "drafter": drafter_digest(str(drafter_spec)),
                 "requests": requests_per_level, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "prompts": json_digest(encoded), "chunking": "rotated chunks of max(2C, n/4)",
                 "sps": list(sps.values) if sps else None}

@@ -17,13 +17,15 @@ from safetensors.torch import load_file, save_file
 
 from dspark.errors import DsparkError
 from dspark.target.config import TargetConfig
-from dspark.target.model import TargetModel, cpu_has_native_bf16
+from dspark.target.kernels import cpu_has_native_bf16
+from dspark.target.model import TargetModel
 from dspark.util.cache import cache_root
 from dspark.util.files import atomic_directory
 
 DEFAULT_MODEL = "smollm2"
 GGUF_FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+QUANTISED = "q4"  # the GGUF's Q4_0 / Q4_1 layer weights run as stored (int4 kernels), bf16 activations
 
 
 def default_dtype() -> torch.dtype:
@@ -33,13 +35,34 @@ def default_dtype() -> torch.dtype:
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str, quantised: bool = True) -> torch.dtype | str:
+    """A --dtype value: a torch dtype, or "q4" where the target is run (`quantised`)."""
     if name == "auto":
         return default_dtype()
+    if quantised and name == QUANTISED:
+        return QUANTISED
     try:
         return DTYPES[name]
     except KeyError:
-        raise DsparkError(f"unknown dtype {name!r}; choose auto or one of {sorted(DTYPES)}") from None
+        choices = sorted(DTYPES) + ([QUANTISED] if quantised else [])
+        raise DsparkError(f"unknown dtype {name!r}; choose auto or one of {choices}") from None
+
+
+def dtype_key(model: TargetModel) -> str:
+    """The precision a results journal records ("torch.float32" / "torch.bfloat16", as journals before
+    the q4 mode wrote it, or "q4"), so that a rerun resumes only what ran in the same mode."""
+    return QUANTISED if model.precision == QUANTISED else str(model.dtype)
+
+
+def gguf_source(spec: str | os.PathLike | None) -> Path:
+    """The GGUF file behind a --model value (the q4 mode reads its quantised blocks)."""
+    if spec is None or str(spec) == DEFAULT_MODEL:
+        return embedded_gguf_path()
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    raise DsparkError(f"--dtype q4 runs a GGUF file's quantised weights, and {spec} is not a .gguf file; "
+                      f"pass a Q4_0 / Q4_1 GGUF, or use --dtype bfloat16 / float32")
 
 
 def embedded_gguf_path() -> Path:
@@ -260,15 +283,23 @@ def load_target(
     pack: bool = True,
     require_tokenizer: bool = True,
 ) -> Target:
+    """`dtype`: a torch dtype, a --dtype name, or "q4" (a GGUF's int4 blocks as stored; CPU only)."""
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     model_dir = resolve_model_dir(spec)
     cfg = load_target_config(model_dir)
-    model = TargetModel(cfg, dtype=dtype)
+    quantised = dtype == QUANTISED
+    if quantised and torch.cuda.is_available():
+        raise DsparkError("--dtype q4 runs on the CPU only; use --dtype bfloat16 on a GPU")
+    model = TargetModel(cfg, dtype=torch.bfloat16 if quantised else dtype)
     model.load_hf_state_dict(read_state_dict(model_dir))
     model.eval()
-    if pack:
-        model.pack_weights()
+    if quantised:
+        from dspark.target.quant import quantised_weights
+
+        model.prepare(quantised=quantised_weights(gguf_source(spec), model))
+    else:
+        model.prepare(pack=pack)
     tokenizer = None
     if any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         from transformers import AutoTokenizer

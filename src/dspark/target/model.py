@@ -3,12 +3,17 @@
 Plain PyTorch, no HF modeling code. Projections are fused (qkv, gate|up) so one decoder layer is a
 handful of kernels; that matters on a CPU where single-token forwards are bound by memory and
 Python overhead.
+
+Two numerics, chosen by dtype:
+  * fp32 is the reference: HF's order of operations (the exactness tests run it);
+  * bf16 and q4 run the same model with fewer ops per layer: RMSNorm as one fp32 scale per row
+    (its weight folded into the next projection where the kernel allows), RoPE as one complex
+    product on Q / K rows permuted to interleaved pairs, K and V written to the cache in one copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +21,9 @@ from torch import nn
 
 from dspark.errors import DsparkError
 from dspark.target.config import TargetConfig
+from dspark.target.kernels import Dense, Packed, cpu_has_native_bf16, dense_kernel
+
+RUNNER_VERSION = 2  # bumped when a change moves the runner's speed; SPS profiles are cached per version
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,14 +56,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class KVCache:
     """K/V of every layer for a batch of sequences; each row has its own committed length.
 
+    `kv[layer, b]` holds row b's K heads then its V heads ([2 * kv_heads, max_len, head_dim]).
     `lengths[b]` tokens of row b are valid. A forward appends its tokens at positions
     `lengths[b] ...`; `truncate` rolls rows back to any shorter length (speculative rejection).
     """
 
     def __init__(self, cfg: TargetConfig, batch_size: int, max_len: int, dtype: torch.dtype, device="cpu"):
-        shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (cfg.num_hidden_layers, batch_size, 2 * cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
 
@@ -66,7 +74,7 @@ class KVCache:
     def rows(self, start: int, stop: int) -> "KVCache":
         """A view of rows [start, stop) sharing this cache's K/V storage; copy `lengths` back after a forward."""
         view = KVCache.__new__(KVCache)
-        view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
+        view.kv = self.kv[:, start:stop]
         view.lengths = self.lengths[start:stop].clone()
         view.max_len = self.max_len
         return view
@@ -88,24 +96,10 @@ class ForwardOutput:
     # output of decoder layer i (the last one after the final norm, as HF's hidden_states[-1] is)
 
 
-def _mkldnn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-
-
-def can_pack_fp32() -> bool:
-    """oneDNN prepacked fp32 GEMM: ~2x faster than the default CPU BLAS for the small-M products
-    of decoding and verification on CPUs without native bf16 (measured in benchmarks/)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+def interleave_pairs(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows (dim 0) of whole heads from rotate-half order (i, i + d/2) to adjacent pairs (2i, 2i + 1)."""
+    heads = rows.shape[0] // head_dim
+    return rows.reshape(heads, 2, head_dim // 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
 class TargetModel(nn.Module):
@@ -143,46 +137,18 @@ class TargetModel(nn.Module):
                 layer.k_norm = nn.Parameter(torch.ones(c.head_dim, dtype=dtype), requires_grad=False)
             self.layers.append(layer)
         self.max_positions = max_positions or c.max_position_embeddings
-        cos, sin = rope_tables(c, self.max_positions)
-        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
-        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
-        self._linear = F.linear
-        self._lm_head_kernel: torch.Tensor | None = None  # packed LM head, when packed
-
-    def pack_weights(self) -> None:
-        """Swap the decoder's fp32 projection weights for oneDNN-prepacked copies (CPU only).
-
-        The packed tensors replace the plain ones (no extra memory), except the LM head, which stays
-        plain too because drafters share it."""
-        if self.dtype != torch.float32 or self.device.type != "cpu" or not can_pack_fp32():
-            return
-        pack = torch.ops.mkldnn._reorder_linear_weight
-        for layer in self.layers:
-            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-                w = layer._parameters.pop(name)
-                setattr(layer, name, pack(w.detach(), 8))
-        self._lm_head_kernel = pack(self.lm_head.detach(), 8)
-        self._linear = _mkldnn_linear
-
-    @property
-    def packed(self) -> bool:
-        """True once `pack_weights` swapped in oneDNN-prepacked fp32 weights."""
-        return self._lm_head_kernel is not None
-
-    def _attention(self, q, k, v, mask, gqa: bool) -> torch.Tensor:
-        # CPU SDPA is ~10x slower in bf16 than fp32 without native bf16 units; the upcast is cheap
-        if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not cpu_has_native_bf16():
-            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=gqa)
-            return out.to(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.device
+        self.fast = dtype != torch.float32  # see the module docstring
+        if self.fast:  # RoPE as e^(i * pos * freq) per interleaved pair
+            freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), rope_inv_freq(c))
+            self.register_buffer("rope_cis", torch.polar(torch.ones_like(freqs), freqs), persistent=False)
+        else:
+            cos, sin = rope_tables(c, self.max_positions)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("_eps", torch.tensor(c.rms_norm_eps, dtype=torch.float32), persistent=False)
+        self.precision = "float32" if dtype == torch.float32 else "bfloat16"
+        self._kernels: list[LayerKernels] | None = None  # set by `prepare`
+        self._lm_head_kernel = None
 
     # ---- weights -------------------------------------------------------------------------
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
@@ -215,6 +181,63 @@ class TargetModel(nn.Module):
                 layer.w_gate_up.copy_(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]))
                 layer.w_down.copy_(take(m + "down_proj.weight"))
 
+    def interleave_qk_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Q and K rows (dim 0) of the fused qkv from HF's rotate-half order to interleaved pairs
+        (llama.cpp's own layout); V rows unchanged. Attention is invariant to this permutation."""
+        c = self.cfg
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q, k, v = rows.split((nh * hd, nkv * hd, nkv * hd))
+        return torch.cat([interleave_pairs(q, hd), interleave_pairs(k, hd), v])
+
+    def prepare(self, pack: bool = True, quantised: "QuantisedWeights | None" = None) -> None:
+        """Build each projection's kernel once (see kernels.py) and drop the plain copies they replace.
+
+        `pack`: oneDNN-prepacked weights where they are faster (CPU). `quantised`: the q4 mode's
+        int4 layer kernels and int8 LM head, built from a GGUF file by `quant.py`."""
+        if self._kernels is not None:
+            raise RuntimeError("TargetModel.prepare runs once")
+        c = self.cfg
+        make = dense_kernel if pack else Dense
+        kernels = []
+        for li, layer in enumerate(self.layers):
+            w = {n: layer._parameters.pop(n) for n in ("wqkv", "wo", "w_gate_up", "w_down")}
+            b = layer.bqkv
+            if self.fast:
+                w["wqkv"] = self.interleave_qk_rows(w["wqkv"])
+                b = None if b is None else self.interleave_qk_rows(b)
+                if c.qk_norm:
+                    layer.q_norm.copy_(interleave_pairs(layer.q_norm, c.head_dim))
+                    layer.k_norm.copy_(interleave_pairs(layer.k_norm, c.head_dim))
+            if quantised is not None:
+                kernels.append(LayerKernels(*quantised.layers[li], fold_norms=False))
+            elif self.fast:  # fold the RMSNorm weights into the projections that read the normed rows
+                fold = lambda w_, g: (w_.float() * g.float()).to(w_.dtype)  # noqa: E731
+                kernels.append(LayerKernels(make(fold(w["wqkv"], layer.input_norm), b), make(w["wo"]),
+                                            make(fold(w["w_gate_up"], layer.post_norm)), make(w["w_down"]),
+                                            fold_norms=True))
+            else:
+                kernels.append(LayerKernels(make(w["wqkv"], b), make(w["wo"]), make(w["w_gate_up"]),
+                                            make(w["w_down"]), fold_norms=False))
+        self._kernels = kernels
+        if quantised is not None:
+            self._lm_head_kernel = quantised.lm_head
+            self.precision = "q4"
+        else:
+            self._lm_head_kernel = make(self.lm_head)
+
+    @property
+    def packed(self) -> bool:
+        """True when the projections run oneDNN-prepacked weights."""
+        return self._kernels is not None and isinstance(self._kernels[0].qkv, Packed)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
     def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCache:
         return KVCache(self.cfg, batch_size, max_len or self.max_positions, self.dtype, self.device)
 
@@ -224,8 +247,34 @@ class TargetModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits from final hidden states (call it only on the positions you need)."""
-        weight = self.lm_head if self._lm_head_kernel is None else self._lm_head_kernel
-        return self._linear(hidden, weight).float()
+        if self._lm_head_kernel is None:
+            self.prepare(pack=False)
+        return self._lm_head_kernel(hidden).float()
+
+    def _attention(self, q, k, v, mask, gqa: bool) -> torch.Tensor:
+        # CPU SDPA is ~10x slower in bf16 than fp32 without native bf16 units; the upcast is cheap
+        if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not cpu_has_native_bf16():
+            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=gqa)
+            return out.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+    def _normed(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """RMSNorm of the fast path: one fp32 scale per row; `weight` None when folded into the next kernel."""
+        n = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+        h = x * torch.rsqrt(torch.addcmul(self._eps, n, n, value=1.0 / x.shape[-1]))
+        return (h if weight is None else h * weight).to(x.dtype)
+
+    def _fast_qkv(self, qkv: torch.Tensor, layer: nn.Module, cis: torch.Tensor) -> torch.Tensor:
+        """[B, q, heads, d] projections -> the same with Q / K normed (Qwen3) and rotated, in place."""
+        c = self.cfg
+        nh, nkv = c.num_attention_heads, c.num_key_value_heads
+        qk = qkv[:, :, : nh + nkv].float()
+        if c.qk_norm:
+            qk = torch.cat([F.rms_norm(qk[:, :, :nh], (c.head_dim,), layer.q_norm.float(), c.rms_norm_eps),
+                            F.rms_norm(qk[:, :, nh:], (c.head_dim,), layer.k_norm.float(), c.rms_norm_eps)], dim=2)
+        rotated = torch.view_as_complex(qk.unflatten(-1, (-1, 2))) * cis
+        qkv[:, :, : nh + nkv] = torch.view_as_real(rotated).flatten(-2)
+        return qkv
 
     @torch.inference_mode()
     def forward(
@@ -241,6 +290,8 @@ class TargetModel(nn.Module):
         right-padded and `num_new[b]` says how many of the q tokens are real; the cache then grows
         by `num_new[b]` for row b (padding K/V land beyond the valid length and are never read).
         """
+        if self._kernels is None:
+            self.prepare(pack=False)
         B, q = input_ids.shape
         start = cache.lengths
         if num_new is None:
@@ -250,8 +301,11 @@ class TargetModel(nn.Module):
                 f"sequence of {int((start + q).max())} tokens exceeds the context window of {cache.max_len}"
             )
         pos = start[:, None] + torch.arange(q, device=input_ids.device)[None, :]  # [B, q]
-        cos = self.rope_cos[pos][:, None]  # [B, 1, q, d]
-        sin = self.rope_sin[pos][:, None]
+        if self.fast:
+            cis = self.rope_cis[pos][:, :, None]  # [B, q, 1, d/2]
+        else:
+            cos = self.rope_cos[pos][:, None]  # [B, 1, q, d]
+            sin = self.rope_sin[pos][:, None]
         kv_len = int((start + q).max())
         single = B == 1
         rows_idx = torch.arange(B, device=input_ids.device)[:, None]  # with pos [B, q]: each row's new slots
@@ -265,33 +319,62 @@ class TargetModel(nn.Module):
         x = self.embed(input_ids)
         tap_set = set(taps)
         tapped = {-1: x} if -1 in tap_set else {}  # -1: the embedding output (DeepSpec's convention)
-        lin = self._linear
-        for li, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            qkv = lin(h, layer.wqkv, layer.bqkv).view(B, q, nh + 2 * nkv, hd).transpose(1, 2)
-            qk, vh = qkv.split((nh + nkv, nkv), dim=1)
-            if c.qk_norm:
-                qk = torch.cat([rms_norm(qk[:, :nh], layer.q_norm, c.rms_norm_eps),
-                                rms_norm(qk[:, nh:], layer.k_norm, c.rms_norm_eps)], dim=1)
-            qh, kh = apply_rope(qk, cos, sin).split((nh, nkv), dim=1)
-            kc, vc = cache.k[li], cache.v[li]
-            if single:
-                s = int(start[0])
-                kc[0, :, s : s + q] = kh[0]
-                vc[0, :, s : s + q] = vh[0]
-            else:  # advanced-index assignment: CPU scatter_ has no fast bf16 kernel (~200x slower)
-                kc[rows_idx, :, pos] = kh.transpose(1, 2)
-                vc[rows_idx, :, pos] = vh.transpose(1, 2)
-            attn = self._attention(qh, kc[:, :, :kv_len], vc[:, :, :kv_len], mask, nkv != nh)
-            x = x + lin(attn.transpose(1, 2).reshape(B, q, nh * hd), layer.wo)
-            h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
-            gate, up = lin(h, layer.w_gate_up).chunk(2, dim=-1)
-            x = x + lin(F.silu(gate) * up, layer.w_down)
+        for li, (layer, kern) in enumerate(zip(self.layers, self._kernels)):
+            kvc = cache.kv[li]
+            if self.fast:
+                h = self._normed(x, None if kern.fold_norms else layer.input_norm)
+                qkv = self._fast_qkv(kern.qkv(h).view(B, q, nh + 2 * nkv, hd), layer, cis).transpose(1, 2)
+                qh, kv_new = qkv[:, :nh], qkv[:, nh:]
+                if single:
+                    s = int(start[0])
+                    kvc[0, :, s : s + q] = kv_new[0]
+                else:  # advanced-index assignment: CPU scatter_ has no fast bf16 kernel (~200x slower)
+                    kvc[rows_idx, :, pos] = kv_new.transpose(1, 2)
+            else:
+                h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+                qkv = kern.qkv(h).view(B, q, nh + 2 * nkv, hd).transpose(1, 2)
+                qk, vh = qkv.split((nh + nkv, nkv), dim=1)
+                if c.qk_norm:
+                    qk = torch.cat([rms_norm(qk[:, :nh], layer.q_norm, c.rms_norm_eps),
+                                    rms_norm(qk[:, nh:], layer.k_norm, c.rms_norm_eps)], dim=1)
+                qh, kh = apply_rope(qk, cos, sin).split((nh, nkv), dim=1)
+                if single:
+                    s = int(start[0])
+                    kvc[0, :nkv, s : s + q] = kh[0]
+                    kvc[0, nkv:, s : s + q] = vh[0]
+                else:
+                    kvc[rows_idx, :nkv, pos] = kh.transpose(1, 2)
+                    kvc[rows_idx, nkv:, pos] = vh.transpose(1, 2)
+            attn = self._attention(qh, kvc[:, :nkv, :kv_len], kvc[:, nkv:, :kv_len], mask, nkv != nh)
+            x = x + kern.o(attn.transpose(1, 2).reshape(B, q, nh * hd))
+            if self.fast:
+                h = self._normed(x, None if kern.fold_norms else layer.post_norm)
+            else:
+                h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
+            gate, up = kern.gate_up(h).chunk(2, dim=-1)
+            x = x + kern.down(F.silu(gate) * up)
             if li in tap_set:
                 tapped[li] = x
         cache.lengths = start + num_new
-        hidden = rms_norm(x, self.norm, c.rms_norm_eps)
+        hidden = self._normed(x, self.norm) if self.fast else rms_norm(x, self.norm, c.rms_norm_eps)
         if c.num_hidden_layers - 1 in tap_set:  # HF's last hidden state, which DeepSpec taps, is after the norm
             tapped[c.num_hidden_layers - 1] = hidden
         taps_out = torch.stack([tapped[t] for t in taps], dim=2) if taps else None
         return ForwardOutput(hidden=hidden, taps=taps_out)
+
+
+@dataclasses.dataclass
+class LayerKernels:
+    qkv: object  # a kernels.py kernel: called like F.linear
+    o: object
+    gate_up: object
+    down: object
+    fold_norms: bool  # the RMSNorm weights are folded into qkv / gate_up
+
+
+@dataclasses.dataclass
+class QuantisedWeights:
+    """The q4 mode's kernels: per layer (qkv, o, gate_up, down), and the LM head."""
+
+    layers: list[tuple[object, object, object, object]]
+    lm_head: object

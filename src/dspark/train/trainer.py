@@ -30,8 +30,8 @@ from dspark.draft.checkpoint import init_from_target, load_model, new_draft_conf
 from dspark.draft.dspark import DSparkModel
 from dspark.draft.eagle3 import Eagle3Model
 from dspark.errors import DsparkError
+from dspark.target.kernels import cpu_has_native_bf16
 from dspark.target.loading import load_target
-from dspark.target.model import cpu_has_native_bf16
 from dspark.train.config import TrainConfig
 from dspark.train.data import Sample, is_validation, load_samples
 from dspark.train.losses import acceptance_sums, expected_tau, kd_loss_sums, position_weights, step_weights

@@ -1,0 +1,98 @@
+"""Weight kernels for the target's projections: one object per weight, called like `F.linear`.
+
+Which kernel a weight gets is decided once, at load, from the precision mode and the CPU
+(measured in benchmarks/results/README.md, "runner"):
+
+  * `Dense`: `F.linear` on a plain tensor (GPU, and CPUs without oneDNN);
+  * `Packed`: a oneDNN-prepacked fp32 or bf16 copy (CPU): ~1.5x faster than `F.linear` for the
+    1-16-row products of decoding and verification, at a ~14 us fixed cost per call;
+  * `Int4`: group-wise int4 weights (`_weight_int4pack_mm_for_cpu`, the GGUF's Q4_0 / Q4_1 blocks);
+  * `Int8`: per-row int8 weights (`_weight_int8pack_mm`, the GGUF's Q8_0 LM head).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    """oneDNN prepacking: fp32 on any x86 CPU, bf16 only where the CPU has bf16 matrix units
+    (elsewhere oneDNN emulates bf16 and the plain path is faster)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
+
+
+class Dense:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Packed:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def dense_kernel(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Dense | Packed:
+    """The fastest kernel for a plain weight on its device."""
+    if weight.device.type == "cpu" and can_pack(weight.dtype):
+        return Packed(weight, bias)
+    return Dense(weight, bias)
+
+
+class Int4:
+    """W[n, k] = (q[n, k] - 8) * scale[k // group, n] + zero[k // group, n], q in 0..15 (the kernel's
+    convention; GGUF Q4_1 `d * q + m` is scale d, zero m + 8d). Activations and scales are bf16."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
+                 bias: torch.Tensor | None = None):
+        self.out_features, self.in_features = q.shape
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        self.scales_zeros = torch.stack([scale, zero], dim=-1).to(torch.bfloat16).contiguous()
+        self.group, self.bias = group, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, self.in_features), self.packed, self.group, self.scales_zeros)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+class Int8:
+    """W[n, k] = q[n, k] * scale[n] (q int8; the scale rounded to bf16 by the kernel's contract)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        self.q = q.to(torch.int8).contiguous()
+        self.scale = scale.to(torch.bfloat16).contiguous()
+        self.out_features, self.in_features = q.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.q, self.scale)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor) -> "Int8":
+        """Round-to-nearest per-row int8 of a float weight (scale = row max / 127)."""
+        w = weight.float()
+        scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).to(torch.bfloat16).float()
+        return cls(torch.round(w / scale[:, None]).clamp(-127, 127), scale)

@@ -1,0 +1,108 @@
+"""GGUF's quantised blocks, read as they are stored, for the `q4` precision mode.
+
+Q4_0 (w = d * (q - 8)) and Q4_1 (w = d * q + m) blocks of 32 become `Int4` kernels with group 32
+(scale d, zero m + 8d; d and m are fp16 in the file and bf16 in the kernel, the one rounding this
+mode adds). Q8_0 (w = d * q, blocks of 32) has no int8 kernel with per-block scales, so the LM head
+becomes per-row int8 (`Int8.from_weight`) of its exact dequantised values. Everything else (norms,
+F32 / F16 / BF16 tensors) is dequantised as `loading.py` does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dspark.target.kernels import Int4
+
+BLOCK = 32
+INT4_TYPES = ("Q4_0", "Q4_1")
+
+
+def _blocks(t, bytes_per_block: int) -> np.ndarray:
+    """The raw blocks of tensor `t` as [rows, blocks per row, bytes per block] uint8."""
+    rows = int(np.prod([int(d) for d in t.shape[1:]]))
+    return np.asarray(t.data, dtype=np.uint8).reshape(rows, -1, bytes_per_block)
+
+
+def _fp16(raw: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16).astype(np.float32)[..., 0])
+
+
+def _nibbles(qs: np.ndarray) -> torch.Tensor:
+    """16 bytes per block -> 32 values: low nibbles are elements 0..15, high nibbles 16..31."""
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [rows, blocks, 32]
+    return torch.from_numpy(q.reshape(q.shape[0], -1).astype(np.int32))
+
+
+def int4_parts(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [N, K] 0..15, scale [K/32, N], zero [K/32, N]) of a Q4_0 / Q4_1 GGUF tensor, fp32 scales."""
+    kind = t.tensor_type.name
+    if kind == "Q4_1":
+        b = _blocks(t, 20)
+        d, m, q = _fp16(b[..., 0:2]), _fp16(b[..., 2:4]), _nibbles(b[..., 4:])
+        zero = m + 8 * d
+    elif kind == "Q4_0":
+        b = _blocks(t, 18)
+        d, q = _fp16(b[..., 0:2]), _nibbles(b[..., 2:])
+        zero = torch.zeros_like(d)
+    else:
+        raise ValueError(f"{t.name} is {kind}, not one of {INT4_TYPES}")
+    return q, d.t().contiguous(), zero.t().contiguous()
+
+
+def dequantise_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight of `int4_parts` (what the file stores, before any bf16 rounding)."""
+    s = scale.t().repeat_interleave(BLOCK, dim=1)
+    z = zero.t().repeat_interleave(BLOCK, dim=1)
+    return (q - 8) * s + z
+
+
+def int4_kernel(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], bias=None) -> Int4:
+    """One kernel for row-stacked weights (fused qkv or gate|up) that share the input dimension."""
+    q = torch.cat([p[0] for p in parts])
+    scale = torch.cat([p[1] for p in parts], dim=1)
+    zero = torch.cat([p[2] for p in parts], dim=1)
+    return Int4(q, scale, zero, BLOCK, bias)
+
+
+def quantised_weights(gguf_path, model):
+    """The q4 kernels of `model` (a bf16 `TargetModel` loaded from the same file) from its GGUF blocks."""
+    import gguf
+
+    from dspark.errors import DsparkError
+    from dspark.target.kernels import Int8
+    from dspark.target.loading import _unpermute_qk
+    from dspark.target.model import QuantisedWeights
+
+    c = model.cfg
+    tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
+
+    def parts(name: str):
+        t = tensors[name]
+        if t.tensor_type.name not in INT4_TYPES:
+            raise DsparkError(
+                f"--dtype q4 runs Q4_0 / Q4_1 GGUF tensors, but {name} in {gguf_path} is {t.tensor_type.name}; "
+                f"use --dtype bfloat16 or float32 for this file")
+        return int4_parts(t)
+
+    # rows of the GGUF's fused q|k|v -> the runner's order (llama files store Q / K permuted for RoPE)
+    nq, nk = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    order = torch.arange(nq + 2 * nk)
+    if c.family == "llama":
+        order = torch.cat([_unpermute_qk(order[:nq, None], c.num_attention_heads)[:, 0],
+                           _unpermute_qk(order[nq : nq + nk, None], c.num_key_value_heads)[:, 0], order[nq + nk :]])
+    order = model.interleave_qk_rows(order)
+
+    layers = []
+    for i, layer in enumerate(model.layers):
+        p = f"blk.{i}."
+        q, s, z = (torch.cat(x, dim=d) for x, d in zip(zip(*(parts(p + f"attn_{n}.weight") for n in "qkv")), (0, 1, 1)))
+        bias = None if layer.bqkv is None else model.interleave_qk_rows(layer.bqkv.detach())
+        qkv = Int4(q[order], s[:, order], z[:, order], BLOCK, bias)
+        o = int4_kernel([parts(p + "attn_output.weight")])
+        gate_up = int4_kernel([parts(p + "ffn_gate.weight"), parts(p + "ffn_up.weight")])
+        down = int4_kernel([parts(p + "ffn_down.weight")])
+        layers.append((qkv, o, gate_up, down))
+    head = tensors.get("output.weight", tensors["token_embd.weight"])
+    exact = torch.from_numpy(gguf.quants.dequantize(head.data, head.tensor_type).copy()).float()
+    return QuantisedWeights(layers=layers, lm_head=Int8.from_weight(exact.reshape(c.vocab_size, c.hidden_size)))
