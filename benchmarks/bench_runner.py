@@ -8,8 +8,8 @@ In one process, prompt by prompt with the engines in rotated order, greedy, 2 th
   * `dspark generate`'s default (the dtype `auto` picks, the shipped drafter, the dspark rule) and
     the same drafter on the q4 runner;
 decode tok/s (prefill excluded), medians over prompts; then the cost of one k-token forward
-(k = 1, 2, 4, 8, 9, 16, after a 200-token context, logits of the k positions) for every runner,
-the curve speculation lives on. SPS profiles the dspark rule needs are measured beforehand by
+(k = 1, 2, 4, 8, 9, 16, after a 200-token context, logits of the k positions; runners and k
+interleaved, medians) for every runner, the curve speculation lives on. SPS profiles the dspark rule needs are measured beforehand by
 `dspark profile` in processes of their own (hundreds of distinct forward sizes slow a process).
 
     .venv/bin/python benchmarks/bench_runner.py --out benchmarks/results/runner.json
@@ -36,6 +36,7 @@ from dspark.util.cache import cache_root
 ROOT = Path(__file__).resolve().parents[1]
 SETS = ("gsm8k", "humaneval", "mt-bench")
 KS = (1, 2, 4, 8, 9, 16)
+CONTEXT = 200
 AUTO_NAME = {"float32": "fp32", "bfloat16": "bf16"}
 
 
@@ -81,21 +82,21 @@ class LlamaCpp:
                 break
         return (len(out) - 1) / (time.perf_counter() - t_first), out
 
-    def forward_s(self, k: int, context: int = 200, reps: int = 10) -> float | None:
+    def start_context(self, context: int = CONTEXT) -> None:
+        self.context = context
+        self.llm.reset()
+        self.llm._ctx.kv_cache_clear()
+        self.llm.eval(list(range(100, 100 + context)))
+
+    def forward_once(self, k: int) -> float | None:
+        """Seconds of one k-token forward after the context (None where batches are one token)."""
         if self.one_token_batches and k > 1:
             return None
-        llm = self.llm
-        llm.reset()
-        llm._ctx.kv_cache_clear()
-        llm.eval(list(range(100, 100 + context)))
-        times = []
-        for _ in range(reps + 1):
-            llm._ctx.kv_cache_seq_rm(-1, context, -1)
-            llm.n_tokens = context
-            t0 = time.perf_counter()
-            llm.eval(list(range(200, 200 + k)))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[1:])
+        self.llm._ctx.kv_cache_seq_rm(-1, self.context, -1)
+        self.llm.n_tokens = self.context
+        t0 = time.perf_counter()
+        self.llm.eval(list(range(200, 200 + k)))
+        return time.perf_counter() - t0
 
 
 class Dspark:
@@ -114,43 +115,40 @@ class Dspark:
         return r.stats.decode_tok_s, r.token_ids
 
     @torch.inference_mode()
-    def forward_s(self, k: int, context: int = 200, reps: int = 10) -> float:
+    def start_context(self, context: int = CONTEXT) -> None:
         m = self.target.model
-        cache = m.new_cache(1, context + 32)
-        m(torch.arange(100, 100 + context)[None], cache)
-        times = []
-        for _ in range(reps + 1):
-            cache.truncate(context)
-            t0 = time.perf_counter()
-            m.logits(m(torch.arange(200, 200 + k)[None], cache).hidden[0])
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[1:])
+        self.context, self.cache = context, m.new_cache(1, context + 32)
+        m(torch.arange(100, 100 + context)[None], self.cache)
+
+    @torch.inference_mode()
+    def forward_once(self, k: int) -> float:
+        m = self.target.model
+        self.cache.truncate(self.context)
+        t0 = time.perf_counter()
+        m.logits(m(torch.arange(200, 200 + k)[None], self.cache).hidden[0])
+        return time.perf_counter() - t0
 
 
 def weight_error_q4(gguf_path: Path) -> dict:
-    """How far the q4 kernels' weights are from the file's exact dequantised values: the int4 layers
-    multiply by bf16-rounded scales / zeros; the Q8_0 LM head is requantised per row to int8."""
+    """How far the q4 kernels' weights are from the file's exact dequantised values: every int4 kernel
+    (layers, and the Q8_0 LM head as two nibbles) multiplies by bf16-rounded scales / zeros."""
     import gguf
 
-    from dspark.target.kernels import Int8
-    from dspark.target.quant import dequantise_int4, int4_parts
+    from dspark.target.quant import dequantise_int4, int4_parts, q8_0_parts
 
-    worst_int4 = 0.0
-    tensors = gguf.GGUFReader(str(gguf_path)).tensors
-    for t in tensors:
-        if t.tensor_type.name in ("Q4_0", "Q4_1"):
-            q, s, z = int4_parts(t)
-            exact = dequantise_int4(q, s, z)
-            kernel = dequantise_int4(q, s.bfloat16().float(), z.bfloat16().float())
-            worst_int4 = max(worst_int4, ((kernel - exact).abs().max() / exact.abs().max()).item())
-    head = next(t for t in tensors if t.name == "token_embd.weight")
-    exact = torch.from_numpy(gguf.quants.dequantize(head.data, head.tensor_type).copy()).float()
-    k = Int8.from_weight(exact)
-    err = (k.q.float() * k.scale.float()[:, None] - exact).abs()
-    return {"int4 layers: max |w - stored| / max |stored|, worst tensor": worst_int4,
-            f"int8 LM head ({head.tensor_type.name} stored): max |w - stored| / max |stored|":
-                (err.max() / exact.abs().max()).item(),
-            "int8 LM head: mean |w - stored| / mean |stored|": (err.mean() / exact.abs().mean()).item()}
+    worst = {}
+    for t in gguf.GGUFReader(str(gguf_path)).tensors:
+        kind = t.tensor_type.name
+        if kind not in ("Q4_0", "Q4_1", "Q8_0"):
+            continue
+        q, s, z = (q8_0_parts if kind == "Q8_0" else int4_parts)(t)
+        exact, kernel = dequantise_int4(q, s, z), dequantise_int4(q, s.bfloat16().float(), z.bfloat16().float())
+        if kind == "Q8_0":  # the two nibble halves sum to the weight
+            half = exact.shape[1] // 2
+            exact, kernel = exact[:, :half] + exact[:, half:], kernel[:, :half] + kernel[:, half:]
+        err = ((kernel - exact).abs().max() / exact.abs().max()).item()
+        worst[kind] = max(worst.get(kind, 0.0), err)
+    return {f"{kind}: max |w - stored| / max |stored|, worst tensor": v for kind, v in worst.items()}
 
 
 @torch.inference_mode()
@@ -169,10 +167,32 @@ def logit_distance(target, reference, sequences: list[list[int]]) -> dict:
             "mean_kl_fp32_to_mode": statistics.mean(kl)}
 
 
+def plot(report: dict, path: Path) -> None:
+    """Decode tok/s per engine (left) and the k-token forward cost per runner (right)."""
+    from dspark.util.plotting import pyplot
+
+    plt = pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    med = report["decode_tok_s_median"]
+    a.barh(list(med), list(med.values()), color=["#888" if n.startswith("llama") else "#3a7" for n in med])
+    a.invert_yaxis()
+    a.set_xlabel("decode tok/s (median over prompts, greedy)")
+    for name, curve in report["forward_ms"].items():
+        ks = [k for k, v in curve.items() if v is not None]
+        b.plot(ks, [curve[k] for k in ks], marker="o", label=name)
+    b.set_xlabel("tokens in one forward (k)")
+    b.set_ylabel("ms per forward, after 200 tokens")
+    b.legend(fontsize=8)
+    fig.suptitle(f"SmolLM2-135M, 2 threads, CPU flags: {' '.join(report['machine']['flags'])}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts-per-set", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--forward-reps", type=int, default=30, help="timed k-token forwards per runner and k")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/runner.json"))
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -207,11 +227,21 @@ def main():
             agree[name] += outs[name] == outs["dspark fp32"]
         sequences.append(ids + outs["dspark fp32"])
         print(i, {n: round(r[-1], 1) for n, r in rates.items()}, flush=True)
-    forward = {n: {k: (lambda t: None if t is None else t * 1e3)(engines[n].forward_s(k)) for k in KS} for n in runners}
+    for name in runners:
+        engines[name].start_context()
+    times: dict[str, dict[int, list]] = {n: {k: [] for k in KS} for n in runners}
+    for rep in range(args.forward_reps + 1):  # interleaved: runners rotated, every k each turn; rep 0 warms up
+        for name in runners[rep % len(runners):] + runners[: rep % len(runners)]:
+            for k in KS:
+                t = engines[name].forward_once(k)
+                if rep and t is not None:
+                    times[name][k].append(t)
+    forward = {n: {k: statistics.median(v) * 1e3 if v else None for k, v in ks.items()} for n, ks in times.items()}
     med = {n: statistics.median(v) for n, v in rates.items()}
     distance = {p: logit_distance(targets[p], targets["float32"], sequences) for p in ("bfloat16", "q4")}
     report = {
-        "command": f"benchmarks/bench_runner.py --prompts-per-set {args.prompts_per_set} --new-tokens {args.new_tokens}",
+        "command": f"benchmarks/bench_runner.py --prompts-per-set {args.prompts_per_set} --new-tokens {args.new_tokens}"
+                   f" --forward-reps {args.forward_reps}",
         "machine": {"flags": cpu_flags(), "threads": 2}, "llama_cpp_python": llama_cpp.__version__,
         "prompts": len(prompts), "decode_tok_s_median": med, "decode_tok_s": rates,
         "greedy_identical_to_dspark_fp32": agree,
@@ -227,6 +257,7 @@ def main():
             "DSpark q4 vs llama.cpp Q4_1": med["DSpark q4"] / med["llama.cpp Q4_1"]},
     }
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    plot(report, Path(args.out).with_suffix(".png"))
     print(json.dumps({k: report[k] for k in ("decode_tok_s_median", "forward_ms", "dspark_over_llama_cpp",
                                              "greedy_identical_to_dspark_fp32", "logits_vs_exact_fp32",
                                              "q4_weights_vs_stored")}, indent=1))

@@ -9,9 +9,9 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from dspark.errors import DsparkError
-from dspark.target.kernels import Int4, Int8
+from dspark.target.kernels import Int4
 from dspark.target.loading import load_target
-from dspark.target.quant import dequantise_int4, int4_kernel, int4_parts
+from dspark.target.quant import dequantise_int4, int4_kernel, int4_parts, q8_0_parts
 
 
 def gguf_tensor(w: np.ndarray, qtype: GGMLQuantizationType):
@@ -41,13 +41,20 @@ def test_int4_blocks_are_read_exactly_and_multiplied_by_the_kernel(qtype):
     assert (one_row - got).abs().max().item() <= 1e-2 * want.abs().max().item()
 
 
-def test_int8_rows_round_to_nearest():
-    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
-    k = Int8.from_weight(w)
-    back = k.q.float() * k.scale.float()[:, None]
-    assert ((back - w).abs() <= k.scale.float()[:, None] / 2 + 1e-7).all()
-    x = torch.randn(3, 32).bfloat16()
-    assert (k(x).float() - x.float() @ back.t()).abs().max().item() < 0.05
+def test_q8_0_blocks_are_two_exact_int4_nibbles():
+    """The q4 mode's LM head: a Q8_0 weight as lo | hi nibbles whose int4 weights sum to it exactly."""
+    w = 3 * np.random.default_rng(4).standard_normal((64, 96)).astype(np.float32)
+    t = gguf_tensor(w, GGMLQuantizationType.Q8_0)
+    q, scale, zero = q8_0_parts(t)
+    halves = dequantise_int4(q, scale, zero)
+    stored = torch.from_numpy(quants.dequantize(t.data, GGMLQuantizationType.Q8_0))
+    assert torch.equal(halves[:, :96] + halves[:, 96:], stored)
+
+    kernel = Int4(q, scale, zero, 32, repeats=2)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(5)).bfloat16()
+    w_kernel = dequantise_int4(q, scale.bfloat16().float(), zero.bfloat16().float())
+    want = x.float() @ (w_kernel[:, :96] + w_kernel[:, 96:]).t()
+    assert (kernel(x).float() - want).abs().max().item() <= 1e-2 * want.abs().max().item()
 
 
 def test_fast_path_matches_fp32_on_every_family(tiny_targets):
@@ -75,7 +82,8 @@ def test_fast_path_matches_fp32_on_every_family(tiny_targets):
 def test_q4_runs_the_gguf_blocks_close_to_the_exact_model(smollm2_fp32):
     q4 = load_target(None, dtype="q4")
     m = q4.model
-    assert m.precision == "q4" and isinstance(m._kernels[0].gate_up, Int4) and isinstance(m._lm_head_kernel, Int8)
+    assert m.precision == "q4" and isinstance(m._kernels[0].gate_up, Int4)
+    assert isinstance(m._lm_head_kernel, Int4) and m._lm_head_kernel.repeats == 2  # the Q8_0 head, as stored
     ids = q4.encode_prompt("Explain why the sky is blue in two sentences.")
     ref = smollm2_fp32.model
     want = ref.logits(ref(torch.tensor([ids]), ref.new_cache(1, len(ids))).hidden[0])

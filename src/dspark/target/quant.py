@@ -2,9 +2,10 @@
 
 Q4_0 (w = d * (q - 8)) and Q4_1 (w = d * q + m) blocks of 32 become `Int4` kernels with group 32
 (scale d, zero m + 8d; d and m are fp16 in the file and bf16 in the kernel, the one rounding this
-mode adds). Q8_0 (w = d * q, blocks of 32) has no int8 kernel with per-block scales, so the LM head
-becomes per-row int8 (`Int8.from_weight`) of its exact dequantised values. Everything else (norms,
-F32 / F16 / BF16 tensors) is dequantised as `loading.py` does.
+mode adds). A Q8_0 LM head (w = d * q, q in -128..127, blocks of 32) becomes two int4 nibbles side by
+side, q = 16 * hi + lo: lo in 0..15 with scale d, zero 8d, and hi + 8 in 0..15 with scale 16d, zero 0,
+summed by one int4 product; PyTorch's int8 kernel has only per-row scales and measured slower.
+The embedding and norms are dequantised as `loading.py` does.
 """
 
 from __future__ import annotations
@@ -57,6 +58,19 @@ def dequantise_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
     return (q - 8) * s + z
 
 
+def q8_0_parts(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q8_0 GGUF tensor [N, K] as int4 parts [N, 2K] (lo nibbles, then hi nibbles): the two halves of
+    `dequantise_int4` of them sum to the stored weight exactly."""
+    b = _blocks(t, 34)
+    d = _fp16(b[..., 0:2])  # [N, blocks]
+    q8 = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).astype(np.int32))  # [N, blocks, 32]
+    lo, hi = q8 & 0x0F, (q8 >> 4) + 8  # q8 = 16 * (hi - 8) + lo
+    q = torch.cat([lo.flatten(1), hi.flatten(1)], dim=1)
+    scale = torch.cat([d, 16 * d], dim=1).t().contiguous()
+    zero = torch.cat([8 * d, torch.zeros_like(d)], dim=1).t().contiguous()
+    return q, scale, zero
+
+
 def int4_kernel(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], bias=None) -> Int4:
     """One kernel for row-stacked weights (fused qkv or gate|up) that share the input dimension."""
     q = torch.cat([p[0] for p in parts])
@@ -70,7 +84,7 @@ def quantised_weights(gguf_path, model):
     import gguf
 
     from dspark.errors import DsparkError
-    from dspark.target.kernels import Int8
+    from dspark.target.kernels import dense_kernel
     from dspark.target.loading import _unpermute_qk
     from dspark.target.model import QuantisedWeights
 
@@ -104,5 +118,10 @@ def quantised_weights(gguf_path, model):
         down = int4_kernel([parts(p + "ffn_down.weight")])
         layers.append((qkv, o, gate_up, down))
     head = tensors.get("output.weight", tensors["token_embd.weight"])
-    exact = torch.from_numpy(gguf.quants.dequantize(head.data, head.tensor_type).copy()).float()
-    return QuantisedWeights(layers=layers, lm_head=Int8.from_weight(exact.reshape(c.vocab_size, c.hidden_size)))
+    if head.tensor_type.name == "Q8_0":
+        lm_head = Int4(*q8_0_parts(head), BLOCK, repeats=2)
+    elif head.tensor_type.name in INT4_TYPES:
+        lm_head = int4_kernel([int4_parts(head)])
+    else:  # F16 / BF16 / F32: the plain weight the model already holds
+        lm_head = dense_kernel(model.lm_head)
+    return QuantisedWeights(layers=layers, lm_head=lm_head)
