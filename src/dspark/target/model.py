@@ -193,7 +193,7 @@ class TargetModel(nn.Module):
         """Build each projection's kernel once (see kernels.py) and drop the plain copies they replace.
 
         `pack`: oneDNN-prepacked weights where they are faster (CPU). `quantised`: the q4 mode's
-        int4 layer kernels and int8 LM head, built from a GGUF file by `quant.py`."""
+        int4 kernels (layers and LM head), built from a GGUF file by `quant.py`."""
         if self._kernels is not None:
             raise RuntimeError("TargetModel.prepare runs once")
         c = self.cfg
