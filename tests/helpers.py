@@ -82,13 +82,20 @@ class RandomDrafter(Drafter):
         return DraftBlock(tokens=torch.randint(self.vocab_size, (n,), generator=self.gen).tolist())
 
 
-def _random_drafter(cfg, target, seed: int, std: float):
+def _random_drafter(cfg, target, seed: int, std: float, draft_vocab: list[int] | None = None):
     """Init `cfg`'s model with weights large enough that every part visibly matters (the default
-    0.02 init makes the heads near no-ops), perturb the norms, and wrap it for inference."""
+    0.02 init makes the heads near no-ops), perturb the norms, and wrap it for inference.
+    `draft_vocab`: the target tokens of a reduced draft vocabulary (sorted)."""
+    import dataclasses
+
     from dspark.draft.checkpoint import new_model, wrap_drafter
 
     torch.manual_seed(seed)
+    if draft_vocab is not None:
+        cfg = dataclasses.replace(cfg, draft_vocab_size=len(draft_vocab))
     model = new_model(cfg)
+    if draft_vocab is not None:
+        model.set_draft_vocab(torch.tensor(draft_vocab))
     model.reset_parameters(std)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -98,13 +105,13 @@ def _random_drafter(cfg, target, seed: int, std: float):
 
 
 def make_random_dspark(target, head: str = "vanilla", block_size: int = 4, layers: int = 1, rank: int = 8,
-                       confidence: bool = True, seed: int = 0, std: float = 0.15):
-    """A randomly initialised DSpark drafter for `target`."""
+                       confidence: bool = True, seed: int = 0, std: float = 0.15, draft_vocab: list[int] | None = None):
+    """A randomly initialised DSpark drafter for `target` (over `draft_vocab` only, if given)."""
     from dspark.draft.checkpoint import new_draft_config
 
     cfg = new_draft_config(target, block_size=block_size, num_hidden_layers=layers, markov_head_type=head,
                            markov_rank=rank, enable_confidence_head=confidence)
-    return _random_drafter(cfg, target, seed, std)
+    return _random_drafter(cfg, target, seed, std, draft_vocab)
 
 
 def make_tiny_regen_data(target, path: Path, n: int = 40, prompt_len: int = 6, new_tokens: int = 40, seed: int = 0) -> Path:
@@ -121,11 +128,13 @@ def make_tiny_regen_data(target, path: Path, n: int = 40, prompt_len: int = 6, n
     return path
 
 
-def make_random_eagle3(target, block_size: int = 4, seed: int = 0, std: float = 0.15):
-    """A randomly initialised EAGLE-3 drafter for `target`."""
+def make_random_eagle3(target, block_size: int = 4, seed: int = 0, std: float = 0.15,
+                       draft_vocab: list[int] | None = None):
+    """A randomly initialised EAGLE-3 drafter for `target` (over `draft_vocab` only, if given)."""
     from dspark.draft.checkpoint import new_draft_config
 
-    return _random_drafter(new_draft_config(target, block_size=block_size, kind="eagle3"), target, seed, std)
+    return _random_drafter(new_draft_config(target, block_size=block_size, kind="eagle3"), target, seed, std,
+                           draft_vocab)
 
 
 def tiny_sharp_target(tmp_path: Path):
@@ -182,6 +191,36 @@ def first_two_tokens_tv(tmp_path: Path, make_drafter, n: int = 10_000) -> tuple[
         samples.append(r.token_ids)
         accepted += r.rounds[0].accepted
     return total_variation(samples, exact_first_two(target, params), 4), accepted / n
+
+
+# ---- verification, one step, many trials -----------------------------------------------------
+def first_committed_tokens(p_t: torch.Tensor, p_d: torch.Tensor | None, n_draft: int, seed: int,
+                           N: int = 200_000) -> torch.Tensor:
+    """Run N independent verification steps; return each step's first committed token.
+
+    p_t / p_d: [V] distributions (the same at every position, so the first committed token must be
+    distributed exactly as p_t). p_d None = deterministic drafts of token 0 (one-hot p_d)."""
+    from dspark.decode.sampling import sample
+    from dspark.decode.verify import verify_chains
+
+    g = torch.Generator().manual_seed(seed)
+    V = p_t.shape[-1]
+    if p_d is None:
+        drafts = torch.zeros(N, n_draft, dtype=torch.long)
+        draft_probs = None
+    else:
+        drafts = sample(p_d.expand(N, n_draft, V), torch.rand(N, n_draft, generator=g))
+        draft_probs = p_d.expand(N, n_draft, V)
+    accepted, nxt = verify_chains(
+        drafts, draft_probs, p_t.expand(N, n_draft + 1, V), torch.full((N,), n_draft), torch.rand(N, n_draft + 1, generator=g)
+    )
+    return torch.where(accepted > 0, drafts[:, 0], nxt)
+
+
+def tokens_tv(tokens: torch.Tensor, p: torch.Tensor) -> float:
+    """Total variation between the empirical distribution of `tokens` and `p` [V]."""
+    emp = torch.bincount(tokens, minlength=p.shape[0]).double() / tokens.numel()
+    return 0.5 * (emp - p.double()).abs().sum().item()
 
 
 # ---- the `dspark` command ---------------------------------------------------------------------

@@ -236,3 +236,57 @@ def test_group_by_length_batches_similar_lengths_and_still_visits_every_sample_o
         assert g_perm != p_perm
     again = Trainer(_cfg(tiny_run, tmp_path / "g2", data=str(varied)), progress=False)
     assert again._perm(1).tolist() == grouped._perm(1).tolist()  # a function of (seed, epoch): resumable
+
+
+@pytest.mark.parametrize("algorithm", ["dspark", "eagle3"])
+def test_training_over_a_reduced_draft_vocabulary(tiny_run, tmp_path, algorithm):
+    """draft_vocab_size K: the run drafts over the training replies' top-K tokens, learns, and its
+    checkpoint carries the mapping; the trained drafter is lossless."""
+    from dspark.decode.generate import Decoder
+    from dspark.draft import vocab
+    from dspark.draft.checkpoint import load_drafter_checkpoint
+    from dspark.train.data import load_samples
+
+    model_dir, data, target = tiny_run
+    Trainer(_cfg(tiny_run, tmp_path / "run", algorithm=algorithm, steps=40, draft_vocab_size=48),
+            progress=False).run()
+    train, val = _log(tmp_path / "run")
+    assert sum(r["loss"] for r in train[-5:]) < sum(r["loss"] for r in train[:5]) - 0.25
+    assert val[-1]["val"]["expected_tau"] > val[0]["val"]["expected_tau"]
+    final = tmp_path / "run" / "final"
+    assert json.loads((final / "config.json").read_text())["draft_vocab_size"] == 48
+    drafter = load_drafter_checkpoint(final, target)
+    ids = drafter.model.draft_ids
+    assert ids.numel() == 48 and vocab.coverage([s.response_ids for s in load_samples(data)], ids) > 0.5
+    prompt = [5, 9, 17, 3]
+    assert Decoder(target, drafter).generate(prompt, 30).token_ids == Decoder(target).generate(prompt, 30).token_ids
+
+
+def test_all_anchors_in_chunks_give_the_gradient_of_one_pass(tiny_run, tmp_path):
+    """anchors_per_seq = "all" takes every response position; anchor_chunk splits the drafter's pass
+    (bounded memory) while the target runs once per micro-batch; the gradient is the same."""
+    from dspark.train.data import load_samples
+    from dspark.train.trainer import sample_anchors
+
+    _, data, _ = tiny_run
+    sample = load_samples(data)[0]
+    every = sample_anchors(sample, 512, "all", torch.Generator())
+    assert every == list(range(len(sample.prompt_ids), len(sample.prompt_ids) + len(sample.response_ids) - 1))
+
+    grads, spans = [], []
+    for chunk in (1000, 7):
+        trainer = Trainer(_cfg(tiny_run, tmp_path / f"c{chunk}", anchors_per_seq="all", anchor_chunk=chunk,
+                               batch_size=2, autocast="off"), progress=False)
+        items = trainer.global_batch(0)
+        t = trainer.target_outputs(items)
+        spans.append(len(trainer.anchor_spans(t)))
+        for span in trainer.anchor_spans(t):
+            trainer._loss_sums(trainer.drafter_outputs(t, trainer.model, span)).total.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None]))
+        calls = []
+        forward = trainer.target.model.forward
+        trainer.target.model.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+        assert trainer.train_step()["loss"] > 0
+        assert len(calls) == 1  # one target forward per micro-batch, however many anchor chunks
+    assert spans[0] == 1 and spans[1] > 3
+    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-6)

@@ -2,36 +2,11 @@
 
 import pytest
 import torch
+from helpers import first_committed_tokens
+from helpers import tokens_tv as total_variation
 
 from dspark.decode.sampling import SamplingParams, probs_from_logits, sample
 from dspark.decode.verify import verify_chains
-
-N = 200_000
-
-
-def first_committed_tokens(p_t: torch.Tensor, p_d: torch.Tensor | None, n_draft: int, seed: int) -> torch.Tensor:
-    """Run N independent verification steps; return each step's first committed token.
-
-    p_t / p_d: [V] distributions (the same at every position, so the first committed token must be
-    distributed exactly as p_t). p_d None = deterministic drafts of token 0 (one-hot p_d)."""
-    g = torch.Generator().manual_seed(seed)
-    V = p_t.shape[-1]
-    if p_d is None:
-        drafts = torch.zeros(N, n_draft, dtype=torch.long)
-        draft_probs = None
-    else:
-        drafts = sample(p_d.expand(N, n_draft, V), torch.rand(N, n_draft, generator=g))
-        draft_probs = p_d.expand(N, n_draft, V)
-    accepted, nxt = verify_chains(
-        drafts, draft_probs, p_t.expand(N, n_draft + 1, V), torch.full((N,), n_draft), torch.rand(N, n_draft + 1, generator=g)
-    )
-    return torch.where(accepted > 0, drafts[:, 0], nxt)
-
-
-def total_variation(tokens: torch.Tensor, p: torch.Tensor) -> float:
-    emp = torch.bincount(tokens, minlength=p.shape[0]).double() / tokens.numel()
-    return 0.5 * (emp - p.double()).abs().sum().item()
-
 
 CASES = [
     # (target logits, draft logits, params)

@@ -38,6 +38,13 @@ def add_parsers(sub) -> None:
     init.add_argument("--copy-target-layers", action="store_true",
                       help="start the draft layers as copies of the target's last layers instead of random")
     init.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
+    init.add_argument("--draft-vocab-size", type=int, default=0, metavar="K",
+                      help="draft over the K most frequent response tokens of --vocab-data only (EAGLE-3's d2t "
+                      "mapping; the LM head and Markov W2 then cost K / V of the full ones); 0 = the full "
+                      "vocabulary (default)")
+    init.add_argument("--vocab-data", default=None, metavar="JSONL",
+                      help="regenerated training data (`dspark data regenerate`) that ranks the tokens for "
+                      "--draft-vocab-size")
     init.set_defaults(func=cmd_draft_init)
     exp = dsub.add_parser(
         "export",
@@ -88,13 +95,21 @@ def cmd_draft_init(args) -> int:
 
     from dspark.draft.checkpoint import init_from_target, new_draft_config, save_drafter
     from dspark.draft.dspark import DSparkModel
+    from dspark.draft.vocab import coverage, most_frequent
     from dspark.target.loading import parse_dtype
+    from dspark.train.data import load_samples
 
     dtype = parse_dtype(args.dtype, quantised=False)
     head = "vanilla" if args.head == "markov" else args.head
     confidence = args.confidence_head if args.confidence_head is not None else head != "none"
     taps = _tap_layers(args.tap_layers)
+    if args.draft_vocab_size < 0:
+        raise DsparkError(f"--draft-vocab-size must be >= 0, got {args.draft_vocab_size}")
+    if bool(args.draft_vocab_size) != bool(args.vocab_data):
+        raise DsparkError("--draft-vocab-size and --vocab-data go together: the data's response tokens pick the "
+                          "draft vocabulary")
     check_writable(args.out)
+    samples = load_samples(args.vocab_data) if args.vocab_data else None
     target = _fp32_target(args)
     cfg = new_draft_config(
         target,
@@ -105,10 +120,16 @@ def cmd_draft_init(args) -> int:
         markov_rank=args.markov_rank,
         enable_confidence_head=confidence,
         mask_token_id=args.mask_token_id,
+        draft_vocab_size=args.draft_vocab_size,
     )
     torch.manual_seed(args.seed)
     model = DSparkModel(cfg)
     init_from_target(model, target, copy_layers=args.copy_target_layers)
+    if samples is not None:
+        replies = [s.response_ids for s in samples]
+        model.set_draft_vocab(most_frequent(replies, args.draft_vocab_size, target.cfg.vocab_size))
+        print(f"draft vocabulary: {args.draft_vocab_size} of {target.cfg.vocab_size} tokens, covering "
+              f"{coverage(replies, model.draft_ids):.1%} of the response tokens of {args.vocab_data}")
     out = save_drafter(model, args.out, target=target, dtype=dtype)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"wrote {out}: {cfg.to_dict()['architectures'][0]}, head {head}, block {cfg.block_size}, "

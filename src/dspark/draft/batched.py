@@ -12,6 +12,7 @@ import torch
 from dspark.decode.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
 from dspark.draft.base import BatchDrafter, DraftBlock
 from dspark.draft.dspark import DSparkModel
+from dspark.draft.vocab import DraftHead
 
 
 class BatchedDSparkDrafter(BatchDrafter):
@@ -33,6 +34,7 @@ class BatchedDSparkDrafter(BatchDrafter):
         self.temperatures = temperatures
         head = model.markov_head
         self._w2t = head.markov_w2.weight.t().contiguous() if head is not None else None
+        self.vocab_head = DraftHead(model.draft_ids, target)  # LM head over the draft vocabulary
 
     def start(self, row, prompt_ids, taps) -> None:
         self.lengths[row] = 0
@@ -77,10 +79,10 @@ class BatchedDSparkDrafter(BatchDrafter):
         sees_ctx = (torch.arange(ctx)[None, :] < lens[:, None])[:, None, :].expand(-1, g, -1)
         mask = torch.cat([sees_ctx, torch.ones(len(rows), g, g, dtype=torch.bool)], dim=-1)[:, None]
         h = m.block_hidden(self.target.model.embed(ids), pos, ctx_kv, mask)  # [R, γ, H]
-        base = self.target.model.logits(h)  # [R, γ, V]
+        base = self.vocab_head.logits(h)  # [R, γ, K]
 
         R = len(rows)
-        tokens = torch.zeros(R, g, dtype=torch.long)
+        tokens = torch.zeros(R, g, dtype=torch.long)  # draft-vocabulary indices
         probs = [[] for _ in range(R)]
         greedy = [j for j, i in enumerate(rows) if params[i].greedy]
         groups: dict[SamplingParams, list[int]] = {}
@@ -106,12 +108,14 @@ class BatchedDSparkDrafter(BatchDrafter):
                 tokens[members, k] = sample(pk, u01)
                 for t, j in enumerate(members):
                     probs[j].append(pk[t])
-            prev = tokens[:, k]
+            prev = self.vocab_head.to_target(tokens[:, k])
+        tokens = self.vocab_head.to_target(tokens)
         conf = None
         if conf_head is not None:
             conf = conf_head(h, torch.stack(embeds, dim=1) if embeds else None).float()
         for j, i in enumerate(rows):
             n = min(g, budgets[i])
-            out[i] = DraftBlock(tokens[j, :n].tolist(), torch.stack(probs[j][:n]) if probs[j] else None,
+            out[i] = DraftBlock(tokens[j, :n].tolist(),
+                                self.vocab_head.full_probs(torch.stack(probs[j][:n])) if probs[j] else None,
                                 None if conf is None else conf[j, :n])
         return out

@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from dspark.draft import vocab
 from dspark.draft.config import DraftConfig, default_tap_layers
 from dspark.draft.dspark import DSparkDrafter, DSparkModel
 from dspark.draft.heads import upgrade_legacy_names
@@ -206,6 +207,11 @@ def load_model(path: str | Path, target) -> tuple[DSparkModel, dict]:
         )
         raise DsparkError(f"{path / WEIGHTS} does not match its config.json ({detail})")
     model.load_state_dict(tensors)
+    if cfg.draft_vocab_size:
+        ids = model.draft_ids
+        vocab.check_ids(ids, cfg.target.vocab_size)
+        if not torch.equal(model.t2d, vocab.to_t2d(ids, cfg.target.vocab_size)):
+            raise DsparkError(f"{path / WEIGHTS}: t2d and d2t name different draft vocabularies; the checkpoint is damaged")
     model.to(device=target.model.device, dtype=target.model.dtype)
     model.requires_grad_(False)
     return model, raw
@@ -275,7 +281,7 @@ def _speculators_config(raw: dict, cfg: DraftConfig, target) -> dict:
         "speculators_model_type": "dspark",
         "architectures": ["DSparkSpeculator"],
         "transformer_layer_config": layer,
-        "draft_vocab_size": cfg.target.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size or cfg.target.vocab_size,
         "block_size": cfg.block_size,
         "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
         "mask_token_id": cfg.mask_token_id,

@@ -67,6 +67,8 @@ class DraftConfig:
     # DSpark / DFlash, target for EAGLE-3
     draft_layer: str | None = None
     attention_bias: bool = False  # qwen3 draft layers: biases on q/k/v/o
+    # K: the drafter drafts over the K most frequent target tokens (draft/vocab.py); 0 = all of them
+    draft_vocab_size: int = 0
 
     def __post_init__(self):
         L = self.target.num_hidden_layers
@@ -100,6 +102,11 @@ class DraftConfig:
                               f"(valid: 0..{L - 1}, or -1 for the embedding output)")
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             raise DsparkError(f"tapped layer ids repeat: {self.target_layer_ids}")
+        if self.draft_vocab_size == self.target.vocab_size:
+            self.draft_vocab_size = 0
+        if not 0 <= self.draft_vocab_size <= self.target.vocab_size:
+            raise DsparkError(f"draft vocabulary size {self.draft_vocab_size} is outside 1..{self.target.vocab_size} "
+                              f"(0 for the full vocabulary)")
         if not 0 <= self.mask_token_id < self.target.vocab_size:
             raise DsparkError(f"mask token id {self.mask_token_id} is outside the vocabulary (0..{self.target.vocab_size - 1})")
 
@@ -153,6 +160,7 @@ class DraftConfig:
             enable_confidence_head=self.enable_confidence_head,
             confidence_head_with_markov=self.confidence_head_with_markov,
             num_anchors=self.num_anchors,
+            draft_vocab_size=self.draft_vocab_size or t.vocab_size,  # EAGLE-3 / DeepSpec: V when not reduced
         )
         if not self.has_sequential_head:
             d.pop("markov_head_type")  # DeepSpec writes the head type only with a head (rank > 0)
@@ -187,6 +195,7 @@ class DraftConfig:
                 confidence_head_with_markov=bool(with_markov) and confidence if with_markov is not None else None,
                 draft_layer="qwen3" if qwen3_layer else "target",
                 attention_bias=bool(d.get("attention_bias", False)) if qwen3_layer else False,
+                draft_vocab_size=int(d.get("draft_vocab_size", target.vocab_size)),
             )
         except KeyError as e:
             raise DsparkError(f"drafter config.json lacks the field {e.args[0]!r}") from None

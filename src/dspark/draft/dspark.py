@@ -19,9 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.decode.sampling import SamplingParams
+from dspark.draft import vocab
 from dspark.draft.base import DraftBlock, Drafter, token_picker
 from dspark.draft.config import DraftConfig
 from dspark.draft.heads import ConfidenceHead, SequentialHead
+from dspark.errors import DsparkError
 from dspark.target.config import TargetConfig
 from dspark.target.model import apply_rope, rms_norm, rope_inv_freq
 
@@ -115,6 +117,28 @@ class DraftModelBase(nn.Module):
         self.cfg = cfg
         t = cfg.target
         self.register_buffer("inv_freq", rope_inv_freq(t), persistent=False)
+        if cfg.draft_vocab_size:  # EAGLE-3's mapping (draft/vocab.py); the tokens are set by `set_draft_vocab`
+            first = torch.arange(cfg.draft_vocab_size)  # until set: the first K token ids
+            self.register_buffer("d2t", vocab.to_d2t(first))
+            self.register_buffer("t2d", vocab.to_t2d(first, t.vocab_size))
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """The target token id of each draft-vocabulary index [K] (None: the full vocabulary)."""
+        return vocab.from_d2t(self.d2t) if self.cfg.draft_vocab_size else None
+
+    def set_draft_vocab(self, ids: torch.Tensor) -> None:
+        """Draft over these K target tokens (sorted, distinct; K = cfg.draft_vocab_size)."""
+        vocab.check_ids(ids, self.cfg.target.vocab_size)
+        if ids.numel() != self.cfg.draft_vocab_size:
+            raise DsparkError(f"{ids.numel()} draft tokens for a drafter of draft_vocab_size {self.cfg.draft_vocab_size}")
+        self.d2t.copy_(vocab.to_d2t(ids))
+        self.t2d.copy_(vocab.to_t2d(ids, self.cfg.target.vocab_size))
+
+    def draft_lm_head(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """The LM head over the draft vocabulary: the target's rows for its tokens (or all of them)."""
+        ids = self.draft_ids
+        return lm_head_weight if ids is None else lm_head_weight[ids.to(lm_head_weight.device)]
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """HF-style init: normal(0, std) matrices, zero biases, unit norms."""
@@ -154,7 +178,8 @@ class DSparkModel(DraftModelBase):
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(H, t.rms_norm_eps)
         self.markov_head = (
-            SequentialHead(cfg.markov_head_type, t.vocab_size, H, cfg.markov_rank) if cfg.has_sequential_head else None
+            SequentialHead(cfg.markov_head_type, t.vocab_size, H, cfg.markov_rank, cfg.draft_vocab_size or t.vocab_size)
+            if cfg.has_sequential_head else None
         )
         self.confidence_head = (
             ConfidenceHead(H, cfg.head_rank, cfg.confidence_head_with_markov) if cfg.enable_confidence_head else None
@@ -234,7 +259,7 @@ class DSparkModel(DraftModelBase):
         mask = torch.cat([sees_ctx, sees_block], dim=-1)[:, None]  # [B, 1, A*γ, S + A*γ]
 
         h = self.block_hidden(x, pos, ctx_kv, mask).view(B, A, g, -1)
-        base = F.linear(h, lm_head_weight.to(h.dtype))
+        base = F.linear(h, self.draft_lm_head(lm_head_weight).to(h.dtype))
         return self.apply_heads(h, base, prev_tokens)
 
 
@@ -250,6 +275,7 @@ class ModelDrafter(Drafter):
         self.num_draft_tokens = self.max_drafts = min(num_draft_tokens or self.block_size, self.block_size)
         self.temperatures: list[float] | None = None  # STS calibration (DESIGN.md §6), from the checkpoint
         self.has_confidence = model.cfg.enable_confidence_head
+        self.vocab_head = vocab.DraftHead(model.draft_ids, target)  # LM head over the draft vocabulary
 
 
 class DSparkDrafter(ModelDrafter):
@@ -285,14 +311,15 @@ class DSparkDrafter(ModelDrafter):
     def block_outputs(self, anchor: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Backbone pass for the block [anchor, MASK x (γ-1)] at positions length..length+γ-1.
 
-        Returns hidden states h [num_slots, H] and base logits U [num_slots, V] (fp32)."""
+        Returns hidden states h [num_slots, H] and base logits U [num_slots, K] (fp32; K = V with
+        the full vocabulary)."""
         g, n = self.block_size, self.length
         dev = self.model.inv_freq.device
         ids = torch.tensor([[anchor] + [self.cfg.mask_token_id] * (g - 1)], device=dev)
         pos = torch.arange(n, n + g, device=dev)[None]
         ctx_kv = [(k[:, :, :n], v[:, :, :n]) for k, v in self._kv]
         h = self.model.block_hidden(self.target.model.embed(ids), pos, ctx_kv, None)[0, :num_slots]
-        return h, self.target.model.logits(h)
+        return h, self.vocab_head.logits(h)
 
     @torch.inference_mode()
     def run_heads(
@@ -300,13 +327,14 @@ class DSparkDrafter(ModelDrafter):
     ) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
         """The sequential stage: logits_k = U_k + B(prev_k, ...), and `pick` chooses d_k from them.
 
-        `pick` maps logits [k, V] to k tokens; without a sequential head every slot is picked at once.
-        Returns the chosen tokens, the logits they were chosen from [slots, V] and confidence logits."""
+        `pick` maps logits [k, K] to k draft-vocabulary indices; without a sequential head every slot
+        is picked at once. Returns the chosen (target) tokens, the logits they were chosen from
+        [slots, K] and confidence logits."""
         head, conf_head = self.model.markov_head, self.model.confidence_head
         if head is None:
             conf = conf_head(h, None) if conf_head is not None else None
-            return pick(base_logits), base_logits, conf
-        if self._w2t is None:  # W2 transposed: [r, V] rows make the per-slot product ~2x faster
+            return self.vocab_head.tokens(pick(base_logits)), base_logits, conf
+        if self._w2t is None:  # W2 transposed: [r, K] rows make the per-slot product ~2x faster
             self._w2t = head.markov_w2.weight.t().contiguous()
         w1 = head.markov_w1.weight
         tokens, rows, embeds = [], [], []
@@ -315,7 +343,7 @@ class DSparkDrafter(ModelDrafter):
             e = w1[prev]
             u, state = head.step(h[k], e, state)
             logits = (u[None] @ self._w2t).float().add_(base_logits[k : k + 1])
-            prev = pick(logits)[0]
+            prev = self.vocab_head.tokens(pick(logits))[0]
             tokens.append(prev)
             rows.append(logits)
             embeds.append(e)
@@ -326,4 +354,5 @@ class DSparkDrafter(ModelDrafter):
         h, base = self.block_outputs(anchor, min(self.num_draft_tokens, max_tokens))
         pick, probs = token_picker(params, generator)
         tokens, _, conf = self.run_heads(h, base, anchor, pick)
-        return DraftBlock(tokens, torch.cat(probs) if probs else None, None if conf is None else conf.float())
+        return DraftBlock(tokens, self.vocab_head.full_probs(torch.cat(probs)) if probs else None,
+                          None if conf is None else conf.float())

@@ -99,7 +99,7 @@ class Eagle3Model(DraftModelBase):
             vs.append(vv)
             outs.append(feat)
         hidden = self.norm(torch.stack(outs, dim=2))  # [B, A, K, H]
-        return F.linear(hidden, lm_head_weight.to(hidden.dtype)), None
+        return F.linear(hidden, self.draft_lm_head(lm_head_weight).to(hidden.dtype)), None
 
 
 class Eagle3Drafter(ModelDrafter):
@@ -139,7 +139,7 @@ class Eagle3Drafter(ModelDrafter):
 
     @torch.inference_mode()
     def draft_logits(self, anchor: int, steps: int, pick) -> tuple[list[int], torch.Tensor]:
-        """Draft `steps` tokens after `anchor`; `pick` maps logits [1, V] to [token]."""
+        """Draft `steps` tokens after `anchor`; `pick` maps logits [1, K] to [draft-vocabulary index]."""
         if self.pending_paired:
             raise RuntimeError("propose called twice without observe")
         feat = self._append_pairs(self.pending[None], [anchor])[-1]
@@ -148,8 +148,8 @@ class Eagle3Drafter(ModelDrafter):
         tokens, rows = [], []
         pos = self.length - 1
         for step in range(steps):
-            logits = self.target.model.logits(self.model.norm(feat)[None])
-            tok = pick(logits)[0]
+            logits = self.vocab_head.logits(self.model.norm(feat)[None])
+            tok = self.vocab_head.tokens(pick(logits))[0]
             tokens.append(tok)
             rows.append(logits)
             if step == steps - 1:
@@ -164,4 +164,4 @@ class Eagle3Drafter(ModelDrafter):
     def propose(self, anchor: int, max_tokens: int, params: SamplingParams, generator: torch.Generator) -> DraftBlock:
         pick, probs = token_picker(params, generator)
         tokens, _ = self.draft_logits(anchor, min(self.num_draft_tokens, max_tokens), pick)
-        return DraftBlock(tokens, torch.cat(probs) if probs else None, None)
+        return DraftBlock(tokens, self.vocab_head.full_probs(torch.cat(probs)) if probs else None, None)

@@ -20,13 +20,13 @@ from torch import nn
 class SequentialHead(nn.Module):
     """Adds a bias B(prev_k, ...) to the base logits U_k of block slot k (DESIGN.md §3)."""
 
-    def __init__(self, kind: str, vocab_size: int, hidden_size: int, rank: int):
+    def __init__(self, kind: str, vocab_size: int, hidden_size: int, rank: int, draft_vocab_size: int | None = None):
         super().__init__()
         if kind not in ("vanilla", "gated", "rnn"):
             raise ValueError(kind)
         self.kind, self.rank = kind, rank
-        self.markov_w1 = nn.Embedding(vocab_size, rank)  # W1: previous-token lookup
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)  # W2: rank -> vocabulary bias
+        self.markov_w1 = nn.Embedding(vocab_size, rank)  # W1: previous-token lookup (any target token)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size or vocab_size, bias=False)  # W2: rank -> draft-vocab bias
         if kind == "gated":
             self.gate_proj = nn.Linear(hidden_size + rank, rank)  # σ(Wg [h ; W1[prev]])
         elif kind == "rnn":
@@ -50,7 +50,7 @@ class SequentialHead(nn.Module):
         return torch.tanh(out), new_state
 
     def teacher_forced(self, h: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole blocks: h [..., γ, H], prev [..., γ] -> (bias [..., γ, V], W1[prev] [..., γ, r])."""
+        """Whole blocks: h [..., γ, H], prev [..., γ] -> (bias [..., γ, K], W1[prev] [..., γ, r])."""
         e = self.markov_w1(prev)
         if self.kind != "rnn":  # stateless: every slot at once
             return self.markov_w2(self.step(h, e, None)[0]), e

@@ -18,6 +18,9 @@ from dspark.errors import DsparkError
 ALGORITHMS = ("dspark", "dflash", "eagle3")
 
 
+ALL_ANCHORS = "all"
+
+
 @dataclasses.dataclass
 class TrainConfig:
     data: str = ""  # regenerated JSONL (`dspark data regenerate`)
@@ -36,11 +39,13 @@ class TrainConfig:
     tap_layers: list[int] = dataclasses.field(default_factory=list)  # [] = 5 spread over the depth
     mask_token_id: int = -1  # -1 = automatic
     copy_target_layers: bool = False  # start the draft layers as copies of the target's last layers
+    draft_vocab_size: int = 0  # K: draft over the K most frequent response tokens of the training split; 0 = all
     # optimisation
     steps: int = 1000
     batch_size: int = 4  # sequences per optimiser step, summed over all ranks
     grad_accum: int = 1  # micro-batches per step on each rank
-    anchors_per_seq: int = 16
+    anchors_per_seq: int | str = 16  # anchors sampled per sequence, or "all" (every response position)
+    anchor_chunk: int = 64  # anchors per drafter forward: bounds memory; the target's forward runs once per batch
     max_seq_len: int = 512
     group_by_length: bool = True  # batch sequences of similar length (less padding, same epochs)
     lr: float = 6e-4
@@ -71,8 +76,11 @@ class TrainConfig:
             raise DsparkError(f"unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
         if self.block_size < 2:
             raise DsparkError(f"block_size must be >= 2, got {self.block_size}")
-        for name in ("steps", "batch_size", "grad_accum", "anchors_per_seq", "layers", "checkpoint_every", "eval_every",
-                     "ttt_steps"):
+        if self.anchors_per_seq != ALL_ANCHORS and (not isinstance(self.anchors_per_seq, int)
+                                                    or isinstance(self.anchors_per_seq, bool)):
+            raise DsparkError(f"anchors_per_seq must be a number or \"all\", got {self.anchors_per_seq!r}")
+        for name in ("steps", "batch_size", "grad_accum", "layers", "checkpoint_every", "eval_every",
+                     "ttt_steps", "anchor_chunk") + (("anchors_per_seq",) if self.anchors_per_seq != ALL_ANCHORS else ()):
             if getattr(self, name) < 1:
                 raise DsparkError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_seq_len < 4:
@@ -108,6 +116,8 @@ def _coerce(name: str, value: Any) -> Any:
     if field is None:
         raise DsparkError(f"unknown training option {name!r}; known: {', '.join(sorted(_FIELDS))}")
     default = TrainConfig().__getattribute__(name)
+    if name == "anchors_per_seq" and value == ALL_ANCHORS:
+        return value
     try:
         if isinstance(value, str) and not isinstance(default, str):
             value = json.loads(value.lower() if isinstance(default, bool) else value)

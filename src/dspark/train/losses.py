@@ -28,6 +28,32 @@ class LossSums:
     conf: torch.Tensor
 
 
+def target_probs(target_logits: torch.Tensor, draft_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's probabilities on the draft vocabulary [..., K] and the mass outside it [...]
+    (zero with the full vocabulary, `draft_ids` None)."""
+    p_t = F.softmax(target_logits.float(), dim=-1)
+    if draft_ids is None:
+        return p_t, p_t.new_zeros(p_t.shape[:-1])
+    inside = p_t[..., draft_ids]
+    return inside, (1 - inside.sum(-1)).clamp(min=0)
+
+
+def l1_to_target(log_pd: torch.Tensor, target_logits: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
+    """‖p_d − p_t‖₁ over the full vocabulary, p_d [..., K] being zero outside the draft vocabulary:
+    Σ_K |p_d − p_t| + the target's mass outside (which no draft distribution can cover)."""
+    p_in, outside = target_probs(target_logits, draft_ids)
+    return (log_pd.exp() - p_in).abs().sum(-1) + outside
+
+
+def draft_index(labels: torch.Tensor, draft_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Target token ids -> draft-vocabulary indices, -1 for tokens outside it."""
+    if draft_ids is None:
+        return labels
+    index = torch.full((vocab_size,), -1, dtype=torch.long, device=labels.device)
+    index[draft_ids] = torch.arange(draft_ids.numel(), device=labels.device)
+    return index[labels]
+
+
 def kd_loss_sums(
     draft_logits: torch.Tensor,
     conf_logits: torch.Tensor | None,
@@ -38,25 +64,30 @@ def kd_loss_sums(
     tv_weight: float,
     conf_weight: float,
     soft_ce_weight: float = 0.0,
+    draft_ids: torch.Tensor | None = None,
 ) -> LossSums:
-    """Supervised slots only: draft/target logits [N, V], confidence logits [N], labels [N],
+    """Supervised slots only: draft logits [N, K] over the draft vocabulary `draft_ids` (None: the
+    full vocabulary, K = V), target logits [N, V], confidence logits [N], labels [N] (target ids),
     weights [N] (w_k of each slot's block position).
 
     CE on the regenerated token, L1 distance ‖p_d − p_t‖₁ to the target distribution, and BCE of
     the confidence head against c* = 1 − ½‖p_d − p_t‖₁ (detached); EAGLE-3 uses the soft
-    cross-entropy −Σ p_t log p_d instead (reported in the `ce` field)."""
+    cross-entropy −Σ p_t log p_d instead (reported in the `ce` field). With a reduced vocabulary
+    the L1 (and so c*) is exact over the full vocabulary: the target's mass outside counts as
+    distance. The cross-entropies cover the draft vocabulary only: a label outside it, or target
+    mass outside it, would be an infinite loss with no gradient, and is left out."""
     w = weights
     log_pd = F.log_softmax(draft_logits.float(), dim=-1)
     zero = log_pd.new_zeros(())
     tv = conf = zero
     if soft_ce_weight:
-        soft = -(F.softmax(target_logits.float(), dim=-1) * log_pd).sum(-1)
+        soft = -(target_probs(target_logits, draft_ids)[0] * log_pd).sum(-1)
         ce = (w * soft).sum()
         return LossSums(soft_ce_weight * ce, ce, tv, conf)
-    ce = -log_pd.gather(-1, labels[:, None]).squeeze(-1)
+    index = draft_index(labels, draft_ids, target_logits.shape[-1])
+    ce = -log_pd.gather(-1, index.clamp(min=0)[:, None]).squeeze(-1) * (index >= 0)
     if tv_weight or conf_weight:
-        p_t = F.softmax(target_logits.float(), dim=-1)
-        l1 = (log_pd.exp() - p_t).abs().sum(-1)
+        l1 = l1_to_target(log_pd, target_logits, draft_ids)
         tv = (w * l1).sum()
         if conf_logits is not None and conf_weight:
             c_star = (1 - 0.5 * l1.detach()).clamp(0, 1)
@@ -68,14 +99,14 @@ def kd_loss_sums(
 
 
 def acceptance_sums(
-    draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor
+    draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor, draft_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per block position k: (Σ α, count) over supervised slots, α = 1 − ½‖p_d − p_t‖₁ at T=1.
 
-    draft/target logits [N, γ, V], mask [N, γ] -> two [γ] tensors."""
-    p_d = F.softmax(draft_logits.float(), dim=-1)
-    p_t = F.softmax(target_logits.float(), dim=-1)
-    alpha = (1 - 0.5 * (p_d - p_t).abs().sum(-1)).clamp(0, 1)  # clamp: rounding of the L1 sum
+    draft logits [N, γ, K] (over `draft_ids`, as in `kd_loss_sums`), target logits [N, γ, V],
+    mask [N, γ] -> two [γ] tensors."""
+    l1 = l1_to_target(F.log_softmax(draft_logits.float(), dim=-1), target_logits, draft_ids)
+    alpha = (1 - 0.5 * l1).clamp(0, 1)  # clamp: rounding of the L1 sum
     m = mask.float()
     return (alpha * m).sum(0), m.sum(0)
 

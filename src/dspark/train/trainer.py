@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -26,13 +27,14 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from dspark.draft import vocab
 from dspark.draft.checkpoint import init_from_target, load_model, new_draft_config, save_drafter
 from dspark.draft.dspark import DSparkModel
 from dspark.draft.eagle3 import Eagle3Model
 from dspark.errors import DsparkError
 from dspark.target.kernels import cpu_has_native_bf16
 from dspark.target.loading import load_target
-from dspark.train.config import TrainConfig
+from dspark.train.config import ALL_ANCHORS, TrainConfig
 from dspark.train.data import Sample, is_validation, load_samples
 from dspark.train.losses import acceptance_sums, expected_tau, kd_loss_sums, position_weights, step_weights
 from dspark.util.files import atomic_directory, atomic_write_text
@@ -45,12 +47,15 @@ ADDED_OPTIONS = {"draft_layer": "target", "confidence_head_with_markov": True}  
 GROUP_STEPS = 16  # group_by_length sorts this many steps' sequences at a time
 
 
-def sample_anchors(sample: Sample, max_seq_len: int, count: int, gen: torch.Generator) -> list[int]:
-    """Up to `count` distinct anchors p with p and p+1 both response tokens (within max_seq_len)."""
+def sample_anchors(sample: Sample, max_seq_len: int, count: int | str, gen: torch.Generator) -> list[int]:
+    """Up to `count` distinct anchors p with p and p+1 both response tokens (within max_seq_len);
+    `count` "all": every such p."""
     n = min(len(sample.prompt_ids) + len(sample.response_ids), max_seq_len)
     lo, hi = len(sample.prompt_ids), n - 2  # inclusive range of valid anchors
     if hi < lo:
         return []
+    if count == ALL_ANCHORS:
+        return list(range(lo, hi + 1))
     valid = hi - lo + 1
     pick = torch.randperm(valid, generator=gen)[:count]
     return sorted((lo + pick).tolist())
@@ -133,12 +138,17 @@ class Trainer:
             model, _ = load_model(c.init, self.target)
             if (model.cfg.kind == "eagle3") != eagle:
                 raise DsparkError(f"init drafter {c.init} is a {model.cfg.kind} drafter, not {c.algorithm}")
+            if c.draft_vocab_size and c.draft_vocab_size != model.cfg.draft_vocab_size:
+                raise DsparkError(f"draft_vocab_size {c.draft_vocab_size} differs from the init drafter's "
+                                  f"({model.cfg.draft_vocab_size or 'full'}); drop one of them")
         elif eagle:
             torch.manual_seed(c.seed)
             model = Eagle3Model(new_draft_config(
                 self.target, kind="eagle3", block_size=c.block_size, target_layer_ids=c.tap_layers or None,
-                mask_token_id=None if c.mask_token_id < 0 else c.mask_token_id, num_anchors=c.anchors_per_seq))
+                mask_token_id=None if c.mask_token_id < 0 else c.mask_token_id, num_anchors=self._num_anchors,
+                draft_vocab_size=c.draft_vocab_size))
             init_from_target(model, self.target, c.copy_target_layers)
+            self._pick_draft_vocab(model)
         if eagle:
             model.ttt_steps = c.ttt_steps
         if c.init or eagle:
@@ -154,13 +164,34 @@ class Trainer:
             enable_confidence_head=dspark and c.confidence_head,
             confidence_head_with_markov=dspark and c.confidence_head and c.confidence_head_with_markov,
             mask_token_id=None if c.mask_token_id < 0 else c.mask_token_id,
-            num_anchors=c.anchors_per_seq,
+            num_anchors=self._num_anchors,
             draft_layer=c.draft_layer,
+            draft_vocab_size=c.draft_vocab_size,
         )
         torch.manual_seed(c.seed)
         model = DSparkModel(cfg)
         init_from_target(model, self.target, c.copy_target_layers)
+        self._pick_draft_vocab(model)
         return model.train()
+
+    @property
+    def _num_anchors(self) -> int:
+        """What the checkpoint records as anchors per sequence (DeepSpec's field; "all": max_seq_len)."""
+        c = self.cfg
+        return c.max_seq_len if c.anchors_per_seq == ALL_ANCHORS else c.anchors_per_seq
+
+    def _pick_draft_vocab(self, model) -> None:
+        """A fresh drafter with a reduced vocabulary drafts over the training replies' top-K tokens."""
+        k = model.cfg.draft_vocab_size
+        if not k:
+            return
+        replies = [s.response_ids for s in self.train_set]
+        model.set_draft_vocab(vocab.most_frequent(replies, k, self.target.cfg.vocab_size))
+        if self.rank == 0:
+            val = vocab.coverage([s.response_ids for s in self.val_set], model.draft_ids)
+            print(f"[dspark] draft vocabulary: {k} of {self.target.cfg.vocab_size} tokens; coverage of the "
+                  f"response tokens {vocab.coverage(replies, model.draft_ids):.1%} (train), {val:.1%} (validation)",
+                  file=sys.stderr, flush=True)
 
     # ---- data ----------------------------------------------------------------------------
     def global_batch(self, step: int) -> list[tuple[Sample, list[int]]]:
@@ -215,9 +246,10 @@ class Trainer:
         return f"{len(self.train_set)}:{h.hexdigest()[:16]}"
 
     # ---- forward -------------------------------------------------------------------------
-    def batch_outputs(self, items, model):
-        """Target + drafter forward for a micro-batch; returns everything the losses need."""
-        g, A = self.slots, self.cfg.anchors_per_seq
+    def target_outputs(self, items) -> dict:
+        """The frozen target's forward over a micro-batch, once; `drafter_outputs` then takes its
+        anchors chunk by chunk."""
+        A = max(1, max(len(a) for _, a in items))
         seqs = [(s.prompt_ids + s.response_ids)[: self.cfg.max_seq_len] for s, _ in items]
         b, S = len(seqs), max(len(x) for x in seqs)
         ids = torch.zeros(b, S, dtype=torch.long)
@@ -230,37 +262,60 @@ class Trainer:
             anchors[i, : len(a)] = torch.tensor(a, dtype=torch.long)
             valid[i, : len(a)] = True
         ids, lengths, anchors, valid = (t.to(self.device) for t in (ids, lengths, anchors, valid))
-        pos = anchors[..., None] + torch.arange(g, device=self.device)  # input position of each slot; predicts pos + 1
-        sup = valid[..., None] & (pos + 1 < lengths[:, None, None])
-        gather = lambda t: t.gather(1, pos.clamp(max=S - 1).flatten(1)).view(b, A, g)  # noqa: E731
-        labels = gather(torch.cat([ids[:, 1:], ids[:, :1]], dim=1))
-
         tm = self.target.model
         t0 = self._clock()
         out = tm(ids, tm.new_cache(b, S), taps=self.taps)
+        target_s = self._clock() - t0
+        return dict(ids=ids, lengths=lengths, anchors=anchors, valid=valid, hidden=out.hidden, taps=out.taps,
+                    tokens=int(lengths.sum()), blocks=int(valid.sum()), target_s=target_s)
+
+    def anchor_spans(self, t: dict) -> list[tuple[int, int]]:
+        A, k = t["anchors"].shape[1], self.cfg.anchor_chunk
+        return [(a, min(a + k, A)) for a in range(0, A, k)]
+
+    def drafter_outputs(self, t: dict, model, span: tuple[int, int]) -> dict:
+        """Drafter forward for anchors [span) of every sequence, and the target's distributions
+        (its LM head, timed as the target's) at their supervised slots: what the losses need."""
+        g = self.slots
+        ids, lengths, S = t["ids"], t["lengths"], t["ids"].shape[1]
+        anchors, valid = t["anchors"][:, span[0] : span[1]], t["valid"][:, span[0] : span[1]]
+        b, A = anchors.shape
+        pos = anchors[..., None] + torch.arange(g, device=self.device)  # input position of each slot; predicts pos + 1
+        sup = valid[..., None] & (pos + 1 < lengths[:, None, None])
         flat = pos.clamp(max=S - 1).flatten(1)
-        hidden = out.hidden.gather(1, flat[..., None].expand(-1, -1, out.hidden.shape[-1])).view(b, A, g, -1)
+        labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1).gather(1, flat).view(b, A, g)
+        tm = self.target.model
+        t0 = self._clock()
+        hidden = t["hidden"].gather(1, flat[..., None].expand(-1, -1, t["hidden"].shape[-1])).view(b, A, g, -1)
         with torch.no_grad():
             target_logits = tm.logits(hidden[sup]).clone()  # [n_sup, V], a plain (non-inference) tensor
         target_s = self._clock() - t0
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
         with amp:
-            logits, conf = model(out.taps, ids, anchors, tm.embed_tokens, tm.lm_head)
+            logits, conf = model(t["taps"], ids, anchors, tm.embed_tokens, tm.lm_head)
         w = (self.weights_k * sup).float()
         return dict(logits=logits, conf=conf, target_logits=target_logits, labels=labels, sup=sup, w=w,
-                    tokens=int(lengths.sum()), blocks=int(valid.sum()), target_s=target_s)
+                    target_s=target_s)
 
     def _loss_sums(self, o):
         c = self.cfg
         sup = o["sup"]
         conf = o["conf"][sup] if o["conf"] is not None else None
+        ids = self._draft_ids
         if c.algorithm == "dflash":
-            return kd_loss_sums(o["logits"][sup], None, o["target_logits"], o["labels"][sup], o["w"][sup], 1.0, 0.0, 0.0)
+            return kd_loss_sums(o["logits"][sup], None, o["target_logits"], o["labels"][sup], o["w"][sup], 1.0, 0.0, 0.0,
+                                draft_ids=ids)
         if c.algorithm == "eagle3":
             return kd_loss_sums(o["logits"][sup], None, o["target_logits"], o["labels"][sup], o["w"][sup], 0.0, 0.0,
-                                0.0, soft_ce_weight=1.0)
+                                0.0, soft_ce_weight=1.0, draft_ids=ids)
         return kd_loss_sums(o["logits"][sup], conf, o["target_logits"], o["labels"][sup], o["w"][sup],
-                            c.ce_weight, c.tv_weight, c.conf_weight)
+                            c.ce_weight, c.tv_weight, c.conf_weight, draft_ids=ids)
+
+    @property
+    def _draft_ids(self) -> torch.Tensor | None:
+        """The drafter's vocabulary (target ids, on the device), None for the full one."""
+        ids = self.model.draft_ids
+        return None if ids is None else ids.to(self.device)
 
     def _clock(self) -> float:
         """Wall time, after the device has finished the work queued so far."""
@@ -280,23 +335,28 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, c)
         sums = torch.zeros(4, dtype=torch.float64)
-        tokens = blocks = 0
+        tokens = blocks = slots = 0
         target_s = 0.0
         t_batches = self._clock()
         for i, chunk in enumerate(chunks):
-            last = i == len(chunks) - 1
-            sync = contextlib.nullcontext() if last or self.world == 1 else self.ddp.no_sync()
-            with sync:
-                o = self.batch_outputs(chunk, self.ddp)
-                ls = self._loss_sums(o)
-                if total_w > 0:
-                    (ls.total * (self.world / total_w)).backward()
-            sums += torch.tensor([ls.total.item(), ls.ce.item(), ls.tv.item(), ls.conf.item()], dtype=torch.float64)
-            tokens += o["tokens"]
-            blocks += o["blocks"]
-            target_s += o["target_s"]
+            t = self.target_outputs(chunk)
+            spans = self.anchor_spans(t)
+            tokens += t["tokens"]
+            blocks += t["blocks"]
+            target_s += t["target_s"]
+            for j, span in enumerate(spans):
+                last = i == len(chunks) - 1 and j == len(spans) - 1  # DDP all-reduces on the last backward only
+                sync = contextlib.nullcontext() if last or self.world == 1 else self.ddp.no_sync()
+                with sync:
+                    o = self.drafter_outputs(t, self.ddp, span)
+                    ls = self._loss_sums(o)
+                    if total_w > 0:
+                        (ls.total * (self.world / total_w)).backward()
+                sums += torch.tensor([ls.total.item(), ls.ce.item(), ls.tv.item(), ls.conf.item()], dtype=torch.float64)
+                target_s += o["target_s"]
+                slots += int(o["sup"].sum())
         t_optimizer = self._clock()
-        counts = torch.tensor([tokens, blocks], dtype=torch.float64)
+        counts = torch.tensor([tokens, blocks, slots], dtype=torch.float64)
         if self.world > 1:
             dist.all_reduce(sums)
             dist.all_reduce(counts)
@@ -313,7 +373,8 @@ class Trainer:
                 # backward (losses included), and the optimiser (all-reduce, clipping, AdamW)
                 "target_s": target_s, "drafter_s": t_optimizer - t_batches - target_s,
                 "optimizer_s": t_end - t_optimizer,
-                "blocks_per_s": counts[1].item() / dt, "target_tok_per_s": counts[0].item() / dt}
+                "blocks_per_s": counts[1].item() / dt, "target_tok_per_s": counts[0].item() / dt,
+                "slots": int(counts[2].item()), "slots_per_s": counts[2].item() / dt}  # supervised draft slots
 
     @torch.no_grad()
     def validate(self) -> dict:
@@ -330,15 +391,18 @@ class Trainer:
             items = [(s, sample_anchors(s, self.cfg.max_seq_len, self.cfg.anchors_per_seq,
                                         derived_generator(self.cfg.seed, "val", i + j)))
                      for j, s in enumerate(self.val_set[i : i + bs])]
-            o = self.batch_outputs(items, self.model)
-            ls = self._loss_sums(o)
-            sums += torch.tensor([ls.total.item(), ls.ce.item(), ls.tv.item(), ls.conf.item()], dtype=torch.float64)
-            total_w += float(o["w"].sum())
-            full = torch.zeros(*o["sup"].shape, o["target_logits"].shape[-1], device=self.device)
-            full[o["sup"]] = o["target_logits"]
-            s_, c_ = acceptance_sums(o["logits"].float().flatten(0, 1), full.flatten(0, 1), o["sup"].flatten(0, 1))
-            a_sum += s_.cpu()
-            a_cnt += c_.cpu()
+            t = self.target_outputs(items)
+            for span in self.anchor_spans(t):
+                o = self.drafter_outputs(t, self.model, span)
+                ls = self._loss_sums(o)
+                sums += torch.tensor([ls.total.item(), ls.ce.item(), ls.tv.item(), ls.conf.item()], dtype=torch.float64)
+                total_w += float(o["w"].sum())
+                full = torch.zeros(*o["sup"].shape, o["target_logits"].shape[-1], device=self.device)
+                full[o["sup"]] = o["target_logits"]
+                s_, c_ = acceptance_sums(o["logits"].float().flatten(0, 1), full.flatten(0, 1), o["sup"].flatten(0, 1),
+                                         self._draft_ids)
+                a_sum += s_.cpu()
+                a_cnt += c_.cpu()
         self.model.train()
         alpha = (a_sum / a_cnt.clamp(min=1)).tolist()
         m = (sums / max(total_w, 1e-12)).tolist()

@@ -1,0 +1,171 @@
+"""Cheap drafting (issue 20) on the embedded SmolLM2, all in one process:
+
+(a) one γ = 8 DSpark draft pass (`propose`: backbone + LM head + Markov head + sampling) in the
+    shipped shape (1 layer, vanilla Markov head of rank 32, confidence head), at T = 0 and T = 1,
+    over the full vocabulary and over K ∈ {4096, 8192, 16384} (the most frequent response tokens of
+    data/regen/smollm2.jsonl), next to a 1-token and a 9-token target forward; every configuration
+    timed round-robin after a 256-token context, medians;
+(b) training throughput in supervised slots per second: today's recipe (16 anchors per sequence,
+    full vocabulary) against the new one (every anchor, K = --train-k, chunks of 64 anchors), the
+    same data and batch, steps interleaved one by one between the two trainers;
+and the coverage of each K: the share of response tokens inside it, on the training data and on
+the target's greedy replies to the evaluation prompts.
+
+    .venv/bin/python benchmarks/bench_draft_vocab.py --out benchmarks/results/draft_vocab
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dspark.decode.generate import Decoder
+from dspark.decode.sampling import SamplingParams
+from dspark.draft import vocab
+from dspark.draft.checkpoint import new_draft_config, wrap_drafter
+from dspark.draft.dspark import DSparkModel
+from dspark.target.loading import load_target
+from dspark.train.config import TrainConfig
+from dspark.train.data import load_samples
+from dspark.train.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "data" / "regen" / "smollm2.jsonl"
+SETS = ("gsm8k", "humaneval", "mt-bench")
+KS = (0, 4096, 8192, 16384)  # 0: the full vocabulary
+
+
+def cpu_flags() -> list[str]:
+    flags = Path("/proc/cpuinfo").read_text().split()
+    return sorted({f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")})
+
+
+def drafter_for(target, k: int, replies: list[list[int]]):
+    cfg = new_draft_config(target, block_size=8, num_hidden_layers=1, markov_head_type="vanilla", markov_rank=32,
+                           enable_confidence_head=True, draft_vocab_size=k)
+    torch.manual_seed(0)
+    model = DSparkModel(cfg)
+    if k:
+        model.set_draft_vocab(vocab.most_frequent(replies, k, target.cfg.vocab_size))
+    return wrap_drafter(model.to(target.model.dtype).requires_grad_(False), target)
+
+
+@torch.inference_mode()
+def draft_pass_latency(target, replies, reps: int, context: int = 256) -> dict:
+    m = target.model
+    ctx = list(range(1000, 1000 + context))
+    taps = None
+    drafters = {}
+    for k in KS:
+        d = drafter_for(target, k, replies)
+        if taps is None:
+            taps = m(torch.tensor([ctx]), m.new_cache(1, context + 16), taps=d.tap_layers).taps[0]
+        d.begin(ctx)
+        d.observe(ctx, taps)
+        drafters[k] = d
+    cache = m.new_cache(1, context + 16)
+    m(torch.tensor([ctx]), cache)
+    temps = {"T=0": SamplingParams(temperature=0.0), "T=1": SamplingParams(temperature=1.0)}
+
+    def target_forward(q: int) -> None:
+        cache.truncate(context)
+        m.logits(m(torch.arange(200, 200 + q)[None], cache).hidden[0])
+
+    jobs = {f"target {q}-token forward": (lambda q=q: target_forward(q)) for q in (1, 9)}
+    for k, d in drafters.items():
+        for name, params in temps.items():
+            gen = torch.Generator().manual_seed(0)
+            jobs[f"draft K={k or 'full'} {name}"] = lambda d=d, p=params, g=gen: d.propose(1234, 8, p, g)
+    times = {n: [] for n in jobs}
+    for rep in range(reps + 2):  # round-robin; the first two rounds warm up
+        for name, job in jobs.items():
+            t0 = time.perf_counter()
+            job()
+            if rep >= 2:
+                times[name].append(time.perf_counter() - t0)
+    return {n: statistics.median(v) * 1e3 for n, v in times.items()}
+
+
+def eval_replies(target, per_set: int, new_tokens: int) -> dict[str, list[list[int]]]:
+    dec = Decoder(target)
+    out = {}
+    for name in SETS:
+        with open(ROOT / "data" / "eval" / f"{name}.jsonl") as f:
+            prompts = [json.loads(line)["turns"][0] for line, _ in zip(f, range(per_set))]
+        out[name] = [dec.generate(target.encode_prompt(p), new_tokens).token_ids for p in prompts]
+    return out
+
+
+def training_throughput(steps: int, train_k: int, run_dir: Path) -> dict:
+    base = dict(data=str(DATA), steps=1000, batch_size=4, block_size=8, markov_rank=32, eval_every=10**9,
+                checkpoint_every=10**9, val_fraction=0.02, threads=2, seed=0)
+    recipes = {"today: 16 anchors, full vocabulary": dict(anchors_per_seq=16),
+               f"new: all anchors, K = {train_k}": dict(anchors_per_seq="all", draft_vocab_size=train_k,
+                                                         anchor_chunk=64)}
+    trainers = {name: Trainer(TrainConfig(out=str(run_dir / str(i)), **base, **kw), progress=False)
+                for i, (name, kw) in enumerate(recipes.items())}
+    recs = {name: [] for name in trainers}
+    for step in range(steps + 1):  # interleaved step by step; step 0 warms up
+        for name, tr in trainers.items():
+            rec = tr.train_step()
+            if step:
+                recs[name].append(rec)
+    out = {}
+    for name, rs in recs.items():
+        slots, seconds = sum(r["slots"] for r in rs), sum(r["seconds"] for r in rs)
+        out[name] = {"supervised_slots_per_s": slots / seconds, "seconds_per_step": seconds / len(rs),
+                     "slots_per_step": slots / len(rs),
+                     "target_s_per_step": statistics.mean(r["target_s"] for r in rs),
+                     "drafter_s_per_step": statistics.mean(r["drafter_s"] for r in rs),
+                     "optimizer_s_per_step": statistics.mean(r["optimizer_s"] for r in rs)}
+    names = list(out)
+    out["speedup"] = out[names[1]]["supervised_slots_per_s"] / out[names[0]]["supervised_slots_per_s"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=30, help="timed rounds of (a)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--train-steps", type=int, default=8, help="timed steps per recipe in (b)")
+    ap.add_argument("--train-k", type=int, default=8192)
+    ap.add_argument("--eval-prompts", type=int, default=4, help="prompts per evaluation set for the coverage")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "draft_vocab"))
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    target = load_target(None, dtype=args.dtype)
+    replies = [s.response_ids for s in load_samples(DATA)]
+    latency = draft_pass_latency(target, replies, args.reps)
+    print(json.dumps(latency, indent=1), flush=True)
+    evals = eval_replies(target, args.eval_prompts, 128)
+    cover = {}
+    for k in KS[1:]:
+        ids = vocab.most_frequent(replies, k, target.cfg.vocab_size)
+        cover[k] = {"training data": vocab.coverage(replies, ids),
+                    **{name: vocab.coverage(r, ids) for name, r in evals.items()}}
+    with tempfile.TemporaryDirectory() as tmp:
+        train = training_throughput(args.train_steps, args.train_k, Path(tmp))
+    one = latency["target 1-token forward"]
+    report = {
+        "command": f"benchmarks/bench_draft_vocab.py --reps {args.reps} --dtype {args.dtype} --train-steps "
+                   f"{args.train_steps} --train-k {args.train_k} --eval-prompts {args.eval_prompts}",
+        "machine": {"flags": cpu_flags(), "threads": 2, "precision": target.model.precision},
+        "draft_pass_ms": latency,
+        "draft_pass_over_one_token_step": {n: v / one for n, v in latency.items() if n.startswith("draft")},
+        "coverage": cover,
+        "training": train,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: report[k] for k in ("draft_pass_over_one_token_step", "coverage", "training")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
