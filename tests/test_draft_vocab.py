@@ -20,7 +20,7 @@ from dspark.errors import DsparkError
 from dspark.schedule.policies import parse_policy
 from dspark.serve.engine import Engine, Request
 from dspark.target.loading import load_target
-from dspark.train.losses import acceptance_sums, kd_loss_sums
+from dspark.train.losses import TargetDist, acceptance_sums, kd_loss_sums
 
 
 def test_mapping_round_trips_in_eagle3_convention():
@@ -151,9 +151,8 @@ def test_reduced_losses_equal_the_full_vocabulary_ones_when_k_is_v():
         reduced = kd_loss_sums(d, conf, t, labels, w, **weights, draft_ids=torch.arange(V))
         for a, b in zip(vars(full).values(), vars(reduced).values()):
             assert torch.allclose(a, b, atol=1e-6)
-    mask = torch.rand(N // 3, 3, generator=g) < 0.8
-    for a, b in zip(acceptance_sums(d.view(-1, 3, V), t.view(-1, 3, V), mask),
-                    acceptance_sums(d.view(-1, 3, V), t.view(-1, 3, V), mask, torch.arange(V))):
+    block_pos = torch.arange(N) % 3
+    for a, b in zip(acceptance_sums(d, t, block_pos, 3), acceptance_sums(d, t, block_pos, 3, torch.arange(V))):
         assert torch.allclose(a, b, atol=1e-6)
 
 
@@ -187,9 +186,9 @@ def test_reduced_losses_match_brute_force_over_the_full_vocabulary():
     want = (w * -(p_t[:, ids] * torch.log(p_d[:, ids])).sum(-1)).sum()
     assert torch.allclose(soft.ce, want, atol=1e-5)
 
-    mask = torch.ones(3, 3, dtype=torch.bool)
-    s_, c_ = acceptance_sums(d.view(3, 3, K), t.view(3, 3, V), mask, ids)
+    s_, c_ = acceptance_sums(d, TargetDist.from_logits(t, ids), torch.arange(N) % 3, 3)
     assert torch.allclose(s_, (1 - 0.5 * l1).clamp(0, 1).view(3, 3).sum(0), atol=1e-6)
+    assert c_.tolist() == [3, 3, 3]
 
 
 def test_draft_init_picks_the_vocabulary_from_regenerated_data(tiny_targets, tmp_path):

@@ -28,28 +28,43 @@ class LossSums:
     conf: torch.Tensor
 
 
-def target_probs(target_logits: torch.Tensor, draft_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's probabilities on the draft vocabulary [..., K] and the mass outside it [...]
-    (zero with the full vocabulary, `draft_ids` None)."""
-    p_t = F.softmax(target_logits.float(), dim=-1)
-    if draft_ids is None:
-        return p_t, p_t.new_zeros(p_t.shape[:-1])
-    inside = p_t[..., draft_ids]
-    return inside, (1 - inside.sum(-1)).clamp(min=0)
+@dataclasses.dataclass
+class TargetDist:
+    """The target's distribution at supervised slots, as the losses need it: its probabilities on
+    the draft vocabulary `p` [..., K] (all V tokens without a reduced vocabulary) and the mass
+    outside it `outside` [...]."""
+
+    p: torch.Tensor
+    outside: torch.Tensor
+
+    @classmethod
+    def from_logits(cls, target_logits: torch.Tensor, draft_ids: torch.Tensor | None) -> "TargetDist":
+        p_t = F.softmax(target_logits.float(), dim=-1)
+        if draft_ids is None:
+            return cls(p_t, p_t.new_zeros(p_t.shape[:-1]))
+        inside = p_t[..., draft_ids]
+        return cls(inside, (1 - inside.sum(-1)).clamp(min=0))
+
+    def __getitem__(self, index) -> "TargetDist":
+        return TargetDist(self.p[index], self.outside[index])
 
 
-def l1_to_target(log_pd: torch.Tensor, target_logits: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
+def _dist(target: "TargetDist | torch.Tensor", draft_ids: torch.Tensor | None) -> TargetDist:
+    return target if isinstance(target, TargetDist) else TargetDist.from_logits(target, draft_ids)
+
+
+def l1_to_target(log_pd: torch.Tensor, target: TargetDist) -> torch.Tensor:
     """‖p_d − p_t‖₁ over the full vocabulary, p_d [..., K] being zero outside the draft vocabulary:
     Σ_K |p_d − p_t| + the target's mass outside (which no draft distribution can cover)."""
-    p_in, outside = target_probs(target_logits, draft_ids)
-    return (log_pd.exp() - p_in).abs().sum(-1) + outside
+    return (log_pd.exp() - target.p).abs().sum(-1) + target.outside
 
 
-def draft_index(labels: torch.Tensor, draft_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+def draft_index(labels: torch.Tensor, draft_ids: torch.Tensor | None, vocab_size: int | None = None) -> torch.Tensor:
     """Target token ids -> draft-vocabulary indices, -1 for tokens outside it."""
     if draft_ids is None:
         return labels
-    index = torch.full((vocab_size,), -1, dtype=torch.long, device=labels.device)
+    size = max(int(labels.max()) + 1 if labels.numel() else 0, int(draft_ids.max()) + 1, vocab_size or 0)
+    index = torch.full((size,), -1, dtype=torch.long, device=labels.device)
     index[draft_ids] = torch.arange(draft_ids.numel(), device=labels.device)
     return index[labels]
 
@@ -57,7 +72,7 @@ def draft_index(labels: torch.Tensor, draft_ids: torch.Tensor | None, vocab_size
 def kd_loss_sums(
     draft_logits: torch.Tensor,
     conf_logits: torch.Tensor | None,
-    target_logits: torch.Tensor,
+    target: TargetDist | torch.Tensor,
     labels: torch.Tensor,
     weights: torch.Tensor,
     ce_weight: float,
@@ -67,8 +82,8 @@ def kd_loss_sums(
     draft_ids: torch.Tensor | None = None,
 ) -> LossSums:
     """Supervised slots only: draft logits [N, K] over the draft vocabulary `draft_ids` (None: the
-    full vocabulary, K = V), target logits [N, V], confidence logits [N], labels [N] (target ids),
-    weights [N] (w_k of each slot's block position).
+    full vocabulary, K = V), the target's distribution (a `TargetDist`, or its logits [N, V]),
+    confidence logits [N], labels [N] (target ids), weights [N] (w_k of each slot's block position).
 
     CE on the regenerated token, L1 distance ‖p_d − p_t‖₁ to the target distribution, and BCE of
     the confidence head against c* = 1 − ½‖p_d − p_t‖₁ (detached); EAGLE-3 uses the soft
@@ -80,14 +95,16 @@ def kd_loss_sums(
     log_pd = F.log_softmax(draft_logits.float(), dim=-1)
     zero = log_pd.new_zeros(())
     tv = conf = zero
+    vocab_size = target.shape[-1] if isinstance(target, torch.Tensor) else None
+    target = _dist(target, draft_ids)
     if soft_ce_weight:
-        soft = -(target_probs(target_logits, draft_ids)[0] * log_pd).sum(-1)
+        soft = -(target.p * log_pd).sum(-1)
         ce = (w * soft).sum()
         return LossSums(soft_ce_weight * ce, ce, tv, conf)
-    index = draft_index(labels, draft_ids, target_logits.shape[-1])
+    index = draft_index(labels, draft_ids, vocab_size)
     ce = -log_pd.gather(-1, index.clamp(min=0)[:, None]).squeeze(-1) * (index >= 0)
     if tv_weight or conf_weight:
-        l1 = l1_to_target(log_pd, target_logits, draft_ids)
+        l1 = l1_to_target(log_pd, target)
         tv = (w * l1).sum()
         if conf_logits is not None and conf_weight:
             c_star = (1 - 0.5 * l1.detach()).clamp(0, 1)
@@ -99,16 +116,17 @@ def kd_loss_sums(
 
 
 def acceptance_sums(
-    draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor, draft_ids: torch.Tensor | None = None
+    draft_logits: torch.Tensor, target: TargetDist | torch.Tensor, block_pos: torch.Tensor, block_size: int,
+    draft_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per block position k: (Σ α, count) over supervised slots, α = 1 − ½‖p_d − p_t‖₁ at T=1.
 
-    draft logits [N, γ, K] (over `draft_ids`, as in `kd_loss_sums`), target logits [N, γ, V],
-    mask [N, γ] -> two [γ] tensors."""
-    l1 = l1_to_target(F.log_softmax(draft_logits.float(), dim=-1), target_logits, draft_ids)
+    draft logits [N, K] (over `draft_ids`, as in `kd_loss_sums`), the target's distribution
+    (`TargetDist` [N] or logits [N, V]), each slot's block position [N] -> two [block_size] tensors."""
+    l1 = l1_to_target(F.log_softmax(draft_logits.float(), dim=-1), _dist(target, draft_ids))
     alpha = (1 - 0.5 * l1).clamp(0, 1)  # clamp: rounding of the L1 sum
-    m = mask.float()
-    return (alpha * m).sum(0), m.sum(0)
+    sums = alpha.new_zeros(block_size).index_add_(0, block_pos, alpha)
+    return sums, torch.bincount(block_pos, minlength=block_size).to(alpha.dtype)
 
 
 def expected_tau(alpha: list[float]) -> float:

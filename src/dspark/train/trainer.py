@@ -36,7 +36,14 @@ from dspark.target.kernels import cpu_has_native_bf16
 from dspark.target.loading import load_target
 from dspark.train.config import ALL_ANCHORS, TrainConfig
 from dspark.train.data import Sample, is_validation, load_samples
-from dspark.train.losses import acceptance_sums, expected_tau, kd_loss_sums, position_weights, step_weights
+from dspark.train.losses import (
+    TargetDist,
+    acceptance_sums,
+    expected_tau,
+    kd_loss_sums,
+    position_weights,
+    step_weights,
+)
 from dspark.util.files import atomic_directory, atomic_write_text
 from dspark.util.journal import read_records
 from dspark.util.seeding import derived_generator
@@ -265,8 +272,27 @@ class Trainer:
         tm = self.target.model
         t0 = self._clock()
         out = tm(ids, tm.new_cache(b, S), taps=self.taps)
+        # the target's distribution once per input position a slot reads (anchors' blocks overlap:
+        # with every anchor, each position is read by up to γ slots)
+        g = self.slots
+        pos = anchors[..., None] + torch.arange(g, device=self.device)
+        sup = valid[..., None] & (pos + 1 < lengths[:, None, None])
+        flat = torch.arange(b, device=self.device)[:, None, None] * S + pos.clamp(max=S - 1)
+        needed = torch.unique(flat[sup])
+        row_of = torch.full((b * S,), -1, dtype=torch.long, device=self.device)
+        row_of[needed] = torch.arange(needed.numel(), device=self.device)
+        hidden = out.hidden.reshape(b * S, -1)
+        ids_k = self._draft_ids
+        with torch.no_grad():  # plain (non-inference) tensors, in rows of bounded size
+            parts = [TargetDist.from_logits(tm.logits(hidden[needed[i : i + 1024]]).clone(), ids_k)
+                     for i in range(0, needed.numel(), 1024)]
+        if parts:
+            dist = TargetDist(torch.cat([d.p for d in parts]), torch.cat([d.outside for d in parts]))
+        else:  # no supervised slot in this micro-batch
+            k = self.target.cfg.vocab_size if ids_k is None else ids_k.numel()
+            dist = TargetDist(torch.zeros(0, k, device=self.device), torch.zeros(0, device=self.device))
         target_s = self._clock() - t0
-        return dict(ids=ids, lengths=lengths, anchors=anchors, valid=valid, hidden=out.hidden, taps=out.taps,
+        return dict(ids=ids, lengths=lengths, anchors=anchors, valid=valid, taps=out.taps, dist=dist, row_of=row_of,
                     tokens=int(lengths.sum()), blocks=int(valid.sum()), target_s=target_s)
 
     def anchor_spans(self, t: dict) -> list[tuple[int, int]]:
@@ -274,8 +300,8 @@ class Trainer:
         return [(a, min(a + k, A)) for a in range(0, A, k)]
 
     def drafter_outputs(self, t: dict, model, span: tuple[int, int]) -> dict:
-        """Drafter forward for anchors [span) of every sequence, and the target's distributions
-        (its LM head, timed as the target's) at their supervised slots: what the losses need."""
+        """Drafter forward for anchors [span) of every sequence, and the target's distributions at
+        their supervised slots: what the losses need."""
         g = self.slots
         ids, lengths, S = t["ids"], t["lengths"], t["ids"].shape[1]
         anchors, valid = t["anchors"][:, span[0] : span[1]], t["valid"][:, span[0] : span[1]]
@@ -284,18 +310,13 @@ class Trainer:
         sup = valid[..., None] & (pos + 1 < lengths[:, None, None])
         flat = pos.clamp(max=S - 1).flatten(1)
         labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1).gather(1, flat).view(b, A, g)
+        rows = t["row_of"][(torch.arange(b, device=self.device)[:, None] * S + flat).view(b, A, g)[sup]]
         tm = self.target.model
-        t0 = self._clock()
-        hidden = t["hidden"].gather(1, flat[..., None].expand(-1, -1, t["hidden"].shape[-1])).view(b, A, g, -1)
-        with torch.no_grad():
-            target_logits = tm.logits(hidden[sup]).clone()  # [n_sup, V], a plain (non-inference) tensor
-        target_s = self._clock() - t0
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
         with amp:
             logits, conf = model(t["taps"], ids, anchors, tm.embed_tokens, tm.lm_head)
         w = (self.weights_k * sup).float()
-        return dict(logits=logits, conf=conf, target_logits=target_logits, labels=labels, sup=sup, w=w,
-                    target_s=target_s)
+        return dict(logits=logits, conf=conf, target=t["dist"][rows], labels=labels, sup=sup, w=w)
 
     def _loss_sums(self, o):
         c = self.cfg
@@ -303,12 +324,12 @@ class Trainer:
         conf = o["conf"][sup] if o["conf"] is not None else None
         ids = self._draft_ids
         if c.algorithm == "dflash":
-            return kd_loss_sums(o["logits"][sup], None, o["target_logits"], o["labels"][sup], o["w"][sup], 1.0, 0.0, 0.0,
+            return kd_loss_sums(o["logits"][sup], None, o["target"], o["labels"][sup], o["w"][sup], 1.0, 0.0, 0.0,
                                 draft_ids=ids)
         if c.algorithm == "eagle3":
-            return kd_loss_sums(o["logits"][sup], None, o["target_logits"], o["labels"][sup], o["w"][sup], 0.0, 0.0,
+            return kd_loss_sums(o["logits"][sup], None, o["target"], o["labels"][sup], o["w"][sup], 0.0, 0.0,
                                 0.0, soft_ce_weight=1.0, draft_ids=ids)
-        return kd_loss_sums(o["logits"][sup], conf, o["target_logits"], o["labels"][sup], o["w"][sup],
+        return kd_loss_sums(o["logits"][sup], conf, o["target"], o["labels"][sup], o["w"][sup],
                             c.ce_weight, c.tv_weight, c.conf_weight, draft_ids=ids)
 
     @property
@@ -353,7 +374,6 @@ class Trainer:
                     if total_w > 0:
                         (ls.total * (self.world / total_w)).backward()
                 sums += torch.tensor([ls.total.item(), ls.ce.item(), ls.tv.item(), ls.conf.item()], dtype=torch.float64)
-                target_s += o["target_s"]
                 slots += int(o["sup"].sum())
         t_optimizer = self._clock()
         counts = torch.tensor([tokens, blocks, slots], dtype=torch.float64)
@@ -397,10 +417,9 @@ class Trainer:
                 ls = self._loss_sums(o)
                 sums += torch.tensor([ls.total.item(), ls.ce.item(), ls.tv.item(), ls.conf.item()], dtype=torch.float64)
                 total_w += float(o["w"].sum())
-                full = torch.zeros(*o["sup"].shape, o["target_logits"].shape[-1], device=self.device)
-                full[o["sup"]] = o["target_logits"]
-                s_, c_ = acceptance_sums(o["logits"].float().flatten(0, 1), full.flatten(0, 1), o["sup"].flatten(0, 1),
-                                         self._draft_ids)
+                sup = o["sup"]
+                block_pos = torch.arange(g, device=self.device).expand_as(sup)[sup]
+                s_, c_ = acceptance_sums(o["logits"][sup], o["target"], block_pos, g, self._draft_ids)
                 a_sum += s_.cpu()
                 a_cnt += c_.cpu()
         self.model.train()
