@@ -49,8 +49,9 @@ from dspark.util.journal import read_records
 from dspark.util.seeding import derived_generator
 
 # Options a resumed run may change; anything else must match the checkpoint.
-RESUMABLE_CHANGES = {"steps", "checkpoint_every", "eval_every", "threads", "out", "device"}
-ADDED_OPTIONS = {"draft_layer": "target", "confidence_head_with_markov": True}  # what runs saved before had
+RESUMABLE_CHANGES = {"steps", "checkpoint_every", "eval_every", "threads", "out", "device", "anchor_chunk"}
+# what runs saved before an option existed had
+ADDED_OPTIONS = {"draft_layer": "target", "confidence_head_with_markov": True, "draft_vocab_size": 0, "anchor_chunk": 64}
 GROUP_STEPS = 16  # group_by_length sorts this many steps' sequences at a time
 
 
