@@ -50,7 +50,9 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=60.0, help="training wall-clock per recipe")
     ap.add_argument("--chunk-minutes", type=float, default=5.0)
     ap.add_argument("--k", type=int, default=8192, help="draft vocabulary of the new recipe")
-    ap.add_argument("--calibration-steps", type=int, default=4, help="steps that measure seconds per step")
+    ap.add_argument("--calibration-steps", type=int, default=24,
+                    help="steps that measure seconds per step (batches are grouped by length: short probes "
+                    "underestimate; the 30-minute pilot's 4 steps planned 1.5-1.7x too many)")
     ap.add_argument("--work", default=str(cache_root() / "bench-recipes"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "recipes"))
     args = ap.parse_args()
