@@ -4,11 +4,11 @@ Which kernel a weight gets is decided once, at load, from the precision mode and
 (measured in benchmarks/results/README.md, "runner"):
 
   * `Dense`: `F.linear` on a plain tensor (GPU, and CPUs without oneDNN);
-  * `Packed`: a oneDNN-prepacked fp32 or bf16 copy (CPU): ~1.5x faster than `F.linear` for the
-    1-16-row products of decoding and verification, at a ~14 us fixed cost per call;
+  * `Packed`: a oneDNN-prepacked fp32 or bf16 copy (CPU): 1.2-1.6x faster than `F.linear` for the
+    1- and 9-row products of decoding and verification, at a ~14 us fixed cost per call;
   * `Int4`: group-wise int4 weights (`_weight_int4pack_mm_for_cpu`): the GGUF's Q4_0 / Q4_1 blocks,
     and its Q8_0 LM head as two nibbles (PyTorch's `_weight_int8pack_mm` has per-row scales only, so
-    it cannot hold Q8_0's per-block ones, and measured 2.5 ms against 1.1 ms cold for that head).
+    it cannot hold Q8_0's per-block ones, and measured 2.5 ms against 2.2 ms cold for that head).
 """
 
 from __future__ import annotations

@@ -275,10 +275,11 @@ class Trainer:
         out = tm(ids, tm.new_cache(b, S), taps=self.taps)
         # the target's distribution once per input position a slot reads (anchors' blocks overlap:
         # with every anchor, each position is read by up to γ slots)
-        g = self.slots
-        pos = anchors[..., None] + torch.arange(g, device=self.device)
+        pos = anchors[..., None] + torch.arange(self.slots, device=self.device)  # each slot's input; predicts pos + 1
         sup = valid[..., None] & (pos + 1 < lengths[:, None, None])
-        flat = torch.arange(b, device=self.device)[:, None, None] * S + pos.clamp(max=S - 1)
+        at = pos.clamp(max=S - 1)
+        labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1).gather(1, at.flatten(1)).view_as(at)
+        flat = torch.arange(b, device=self.device)[:, None, None] * S + at  # index into the [b * S] positions
         needed = torch.unique(flat[sup])
         row_of = torch.full((b * S,), -1, dtype=torch.long, device=self.device)
         row_of[needed] = torch.arange(needed.numel(), device=self.device)
@@ -293,7 +294,7 @@ class Trainer:
             k = self.target.cfg.vocab_size if ids_k is None else ids_k.numel()
             dist = TargetDist(torch.zeros(0, k, device=self.device), torch.zeros(0, device=self.device))
         target_s = self._clock() - t0
-        return dict(ids=ids, lengths=lengths, anchors=anchors, valid=valid, taps=out.taps, dist=dist, row_of=row_of,
+        return dict(ids=ids, anchors=anchors, sup=sup, labels=labels, rows=row_of[flat], taps=out.taps, dist=dist,
                     tokens=int(lengths.sum()), blocks=int(valid.sum()), target_s=target_s)
 
     def anchor_spans(self, t: dict) -> list[tuple[int, int]]:
@@ -303,21 +304,15 @@ class Trainer:
     def drafter_outputs(self, t: dict, model, span: tuple[int, int]) -> dict:
         """Drafter forward for anchors [span) of every sequence, and the target's distributions at
         their supervised slots: what the losses need."""
-        g = self.slots
-        ids, lengths, S = t["ids"], t["lengths"], t["ids"].shape[1]
-        anchors, valid = t["anchors"][:, span[0] : span[1]], t["valid"][:, span[0] : span[1]]
-        b, A = anchors.shape
-        pos = anchors[..., None] + torch.arange(g, device=self.device)  # input position of each slot; predicts pos + 1
-        sup = valid[..., None] & (pos + 1 < lengths[:, None, None])
-        flat = pos.clamp(max=S - 1).flatten(1)
-        labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1).gather(1, flat).view(b, A, g)
-        rows = t["row_of"][(torch.arange(b, device=self.device)[:, None] * S + flat).view(b, A, g)[sup]]
+        part = slice(*span)
+        sup = t["sup"][:, part]
         tm = self.target.model
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
         with amp:
-            logits, conf = model(t["taps"], ids, anchors, tm.embed_tokens, tm.lm_head)
+            logits, conf = model(t["taps"], t["ids"], t["anchors"][:, part], tm.embed_tokens, tm.lm_head)
         w = (self.weights_k * sup).float()
-        return dict(logits=logits, conf=conf, target=t["dist"][rows], labels=labels, sup=sup, w=w)
+        return dict(logits=logits, conf=conf, target=t["dist"][t["rows"][:, part][sup]], labels=t["labels"][:, part],
+                    sup=sup, w=w)
 
     def _loss_sums(self, o):
         c = self.cfg
