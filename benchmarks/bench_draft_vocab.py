@@ -34,16 +34,12 @@ from dspark.target.loading import load_target
 from dspark.train.config import TrainConfig
 from dspark.train.data import load_samples
 from dspark.train.trainer import Trainer
+from dspark.util.platform import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "regen" / "smollm2.jsonl"
 SETS = ("gsm8k", "humaneval", "mt-bench")
 KS = (0, 4096, 8192, 16384)  # 0: the full vocabulary
-
-
-def cpu_flags() -> list[str]:
-    flags = Path("/proc/cpuinfo").read_text().split()
-    return sorted({f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")})
 
 
 def drafter_for(target, k: int, replies: list[list[int]]):

@@ -31,16 +31,9 @@ from dspark.serve.engine import Engine, Request
 from dspark.target.loading import load_target, parse_dtype
 from dspark.train.data import load_prompts
 from dspark.train.regenerate import regenerate
+from dspark.util.platform import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cpu_flags() -> list[str]:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return []
-    return sorted({f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")})
 
 
 def single_stream(target, prompts, new_tokens) -> float:

@@ -1,5 +1,5 @@
-"""Equal wall-clock distillation (issue 20 (c)): today's recipe (configs/dspark-smollm2.toml: 16
-anchors per sequence, the full vocabulary) against the new one (every anchor, a K-token draft
+"""Equal wall-clock distillation (issue 20 (c)): today's recipe (configs/dspark-smollm2.toml as
+trained on 2026-11-29: 16 anchors per sequence, the full vocabulary) against the new one (every anchor, a K-token draft
 vocabulary), `--minutes` of training each on the same data, then the validation expected τ of
 both final drafters measured the same way (every anchor of the same validation replies).
 
@@ -25,19 +25,15 @@ import torch
 from dspark.train.config import load_config
 from dspark.train.trainer import Trainer
 from dspark.util.cache import cache_root
+from dspark.util.platform import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cpu_flags() -> list[str]:
-    flags = Path("/proc/cpuinfo").read_text().split()
-    return sorted({f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")})
 
 
 def recipes(k: int) -> dict:
     today = load_config(ROOT / "configs" / "dspark-smollm2.toml")
     today = dataclasses.replace(today, data=str(ROOT / today.data), threads=2, eval_every=10**9,
-                                checkpoint_every=10**9)
+                                checkpoint_every=10**9, anchors_per_seq=16, draft_vocab_size=0)  # the recipe of 11-29
     return {"today": today, "new": dataclasses.replace(today, anchors_per_seq="all", draft_vocab_size=k)}
 
 

@@ -32,17 +32,13 @@ from dspark.decode.generate import Decoder
 from dspark.schedule.rules import load_speculation
 from dspark.target.loading import default_dtype, embedded_gguf_path, load_target
 from dspark.util.cache import cache_root
+from dspark.util.platform import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = ("gsm8k", "humaneval", "mt-bench")
 KS = (1, 2, 4, 8, 9, 16)
 CONTEXT = 200
 AUTO_NAME = {"float32": "fp32", "bfloat16": "bf16"}
-
-
-def cpu_flags() -> list[str]:
-    flags = Path("/proc/cpuinfo").read_text().split()
-    return sorted({f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")})
 
 
 def bf16_gguf(src: Path) -> Path:

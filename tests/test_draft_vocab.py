@@ -20,7 +20,7 @@ from dspark.errors import DsparkError
 from dspark.schedule.policies import parse_policy
 from dspark.serve.engine import Engine, Request
 from dspark.target.loading import load_target
-from dspark.train.losses import TargetDist, acceptance_sums, kd_loss_sums
+from dspark.train.losses import TargetDist, acceptance_sums, greedy_acceptance_sums, kd_loss_sums
 
 
 def test_mapping_round_trips_in_eagle3_convention():
@@ -189,6 +189,14 @@ def test_reduced_losses_match_brute_force_over_the_full_vocabulary():
     s_, c_ = acceptance_sums(d, TargetDist.from_logits(t, ids), torch.arange(N) % 3, 3)
     assert torch.allclose(s_, (1 - 0.5 * l1).clamp(0, 1).view(3, 3).sum(0), atol=1e-6)
     assert c_.tolist() == [3, 3, 3]
+
+    # T = 0: accepted iff the draft's argmax (over all V, zero outside) is the target's
+    t[[0, 2, 4, 5], ids[d.argmax(-1)[[0, 2, 4, 5]]]] += 10.0
+    hit = (p_d.argmax(-1) == t.argmax(-1)).double()
+    assert hit.sum() >= 4
+    got = greedy_acceptance_sums(d, TargetDist.from_logits(t, ids), torch.arange(N) % 3, 3, ids)
+    assert got.tolist() == hit.view(3, 3).sum(0).tolist()
+    assert greedy_acceptance_sums(p_d.log(), t, torch.arange(N) % 3, 3).tolist() == got.tolist()  # full vocabulary
 
 
 def test_draft_init_picks_the_vocabulary_from_regenerated_data(tiny_targets, tmp_path):

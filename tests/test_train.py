@@ -290,3 +290,39 @@ def test_all_anchors_in_chunks_give_the_gradient_of_one_pass(tiny_run, tmp_path)
         assert len(calls) == 1  # one target forward per micro-batch, however many anchor chunks
     assert spans[0] == 1 and spans[1] > 3
     assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
+def test_joint_training_shares_the_target_pass_and_follows_each_solo_run(tiny_run, tmp_path):
+    """DSpark (taps 1, 3; 4 block slots) and EAGLE-3 (taps 0-2, 7 TTT steps) on one target pass per step,
+    killed after 2 steps and resumed: each ends where its own uninterrupted solo run ends."""
+    from dspark.train.joint import JointTrainer
+
+    algos = ("dspark", "eagle3")
+    cfgs = [_cfg(tiny_run, tmp_path / f"joint-{a}", algorithm=a, steps=5, eval_every=5, checkpoint_every=1,
+                 draft_vocab_size=48, autocast="off", tap_layers=taps)
+            for a, taps in zip(algos, ([1, 3], []))]
+    joint = JointTrainer(cfgs, progress=False)
+    assert len(joint.taps) > max(len(t.taps) for t in joint.trainers)
+    calls = []
+    forward = joint.trainers[0].target.model.forward
+    joint.trainers[0].target.model.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    for _ in range(2):
+        recs = joint.train_step()
+        for t in joint.trainers:
+            t.save_checkpoint()
+    assert len(calls) == 2 and all(r["target_shared_by"] == 2 and r["target_s"] > 0 for r in recs)
+    JointTrainer(cfgs, resume=True, progress=False).run()
+    for a, cfg in zip(algos, cfgs):
+        Trainer(dataclasses.replace(cfg, out=str(tmp_path / f"solo-{a}")), progress=False).run()
+        x = load_file(tmp_path / f"joint-{a}" / "final" / "model.safetensors")
+        y = load_file(tmp_path / f"solo-{a}" / "final" / "model.safetensors")
+        assert x.keys() == y.keys() and all(torch.allclose(x[k], y[k], rtol=1e-4, atol=1e-6) for k in x), a
+        (jt, jv), (st, sv) = _log(tmp_path / f"joint-{a}"), _log(tmp_path / f"solo-{a}")
+        assert [r["step"] for r in jt] == [3, 4, 5]  # the resumed part (steps 1-2 were the killed process')
+        assert all(abs(r["loss"] - s["loss"]) < 1e-4 for r, s in zip(jt, st[2:]))
+        assert abs(jv[-1]["val"]["expected_tau"] - sv[-1]["val"]["expected_tau"]) < 1e-4
+
+    with pytest.raises(DsparkError, match="need the same seed"):
+        JointTrainer([cfgs[0], dataclasses.replace(cfgs[1], seed=1)])
+    with pytest.raises(DsparkError, match="its own run directory"):
+        JointTrainer([cfgs[0], dataclasses.replace(cfgs[1], out=cfgs[0].out)])

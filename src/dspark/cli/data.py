@@ -14,12 +14,17 @@ def add_parsers(sub) -> None:
         "regenerate",
         help="let the target answer training prompts (resumable)",
         description="Let the target answer each prompt through its chat template (continuous batching "
-        "on the engine) and append {id, prompt_ids, response_ids, response, finish_reason} lines to --out. "
-        "Rerunning with the same --out skips prompts already answered, so an interrupted run resumes. "
+        "on the engine). --out is either a .jsonl file, appended with {id, prompt_ids, response_ids, response, "
+        "finish_reason} lines, or a directory: a shard store of token ids (sealed safetensors shards of "
+        "--shard-size replies plus manifest.json with their sha256; commit the shards and the manifest, "
+        "pending.jsonl is local work in progress). Rerunning with the same --out skips prompts already "
+        "answered, so an interrupted run resumes; a store refuses replies made with other settings. "
         "Prompt files: JSONL with 'turns', ShareGPT 'conversations' or Alpaca 'instruction'/'input'.",
     )
     rg.add_argument("--prompts", required=True, action="append", help="prompt JSONL file (repeatable)")
-    rg.add_argument("--out", required=True, help="output JSONL file (appended to)")
+    rg.add_argument("--out", required=True, help="output: a .jsonl file, or a directory for a shard store")
+    rg.add_argument("--shard-size", type=positive_int, default=1024,
+                    help="replies per sealed shard of a store (default 1024)")
     target_args(rg, threads=True)
     rg.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts (after dedup)")
     rg.add_argument("--shuffle", type=int, default=None, metavar="SEED",
@@ -44,10 +49,10 @@ def cmd_data_regenerate(args) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     parse_dtype(args.dtype)
-    check_writable(args.out, "file")
+    check_writable(args.out, "file" if args.out.endswith(".jsonl") else "directory")
     prompts = select_prompts(args.prompts, args.shuffle, args.limit, args.skip_validation_fraction)
     target = open_target(args)
     stats = regenerate(target, prompts, args.out, params, args.max_new_tokens, args.batch_size, args.seed,
-                       args.max_prompt_tokens)
+                       args.max_prompt_tokens, shard_size=args.shard_size)
     print(json.dumps(stats))
     return 0

@@ -10,12 +10,14 @@ def add_parsers(sub) -> None:
     tr = sub.add_parser(
         "train",
         help="train a drafter by online distillation from the target",
-        description="Train a DSpark (or DFlash) drafter by online knowledge distillation: the frozen target "
-        "runs inside the loop on regenerated data. Checkpoints go to OUT/checkpoint (atomically); "
+        description="Train a DSpark (or DFlash / EAGLE-3) drafter by online knowledge distillation: the frozen "
+        "target runs inside the loop on regenerated data. Checkpoints go to OUT/checkpoint (atomically); "
         "--resume continues exactly where the last one left off. Runs under `torchrun --nproc_per_node N` "
         "with DistributedDataParallel. Writes OUT/log.jsonl, OUT/curves.png and OUT/final.",
     )
-    tr.add_argument("--config", default=None, help="TOML or YAML file of training options")
+    tr.add_argument("--config", action="append", default=None,
+                    help="TOML or YAML file of training options; repeat it to train several drafters on the same "
+                    "batches, sharing one target pass per step (same data, seed, steps, batch and anchors)")
     tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override an option (repeatable), e.g. --set steps=200 --set lr=3e-4")
     tr.add_argument("--data", default=None, help="regenerated JSONL (overrides the config)")
@@ -27,18 +29,30 @@ def add_parsers(sub) -> None:
 
 
 def cmd_train(args) -> int:
+    from dspark.errors import DsparkError
     from dspark.train.config import load_config
     from dspark.train.trainer import Trainer
 
+    configs = args.config or [None]
+    if len(configs) > 1 and args.out is not None:
+        raise DsparkError("--out names one run directory; with several --config set `out` in each file")
     overrides = list(args.set)
     for key in ("data", "out", "steps"):
         if getattr(args, key) is not None:
             overrides.append(f"{key}={getattr(args, key)}")
-    cfg = load_config(args.config, overrides)
-    check_writable(cfg.out, what="run directory")
-    trainer = Trainer(cfg, resume=args.resume, progress=not args.no_progress)
-    val = trainer.run()
-    if trainer.rank == 0:
-        tau = f", validation expected tau {val['expected_tau']:.3f}" if val else ""
-        print(f"trained {cfg.steps} steps -> {trainer.out / 'final'}{tau}")
+    cfgs = [load_config(path, overrides) for path in configs]
+    for cfg in cfgs:
+        check_writable(cfg.out, what="run directory")
+    if len(cfgs) == 1:
+        trainer = Trainer(cfgs[0], resume=args.resume, progress=not args.no_progress)
+        trainers, vals = [trainer], [trainer.run()]
+    else:
+        from dspark.train.joint import JointTrainer
+
+        joint = JointTrainer(cfgs, resume=args.resume, progress=not args.no_progress)
+        trainers, vals = joint.trainers, joint.run()
+    if trainers[0].rank == 0:
+        for trainer, val in zip(trainers, vals):
+            tau = f", validation expected tau {val['expected_tau']:.3f}" if val else ""
+            print(f"trained {trainer.cfg.steps} steps -> {trainer.out / 'final'}{tau}")
     return 0

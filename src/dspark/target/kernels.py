@@ -13,19 +13,14 @@ Which kernel a weight gets is decided once, at load, from the precision mode and
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
+from dspark.util.platform import cpu_flags
 
-@functools.cache
+
 def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
+    flags = cpu_flags()
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 

@@ -23,7 +23,8 @@ ALL_ANCHORS = "all"
 
 @dataclasses.dataclass
 class TrainConfig:
-    data: str = ""  # regenerated JSONL (`dspark data regenerate`)
+    data: str = ""  # regenerated data (`dspark data regenerate`): a JSONL file or a shard store directory
+    val_data: str = ""  # held-out regenerated data to validate on; "" = the id-hash split of `data`
     out: str = "runs/drafter"  # run directory: checkpoint/, final/, log.jsonl, curves.png
     algorithm: str = "dspark"  # dspark (heads) | dflash (backbone only, CE) | eagle3
     target: str = ""  # HF dir / .gguf; "" = embedded SmolLM2

@@ -97,22 +97,28 @@ class Sample:
 
 
 def load_samples(path: str | Path) -> list[Sample]:
-    """Read the JSONL written by `dspark data regenerate`."""
+    """Read what `dspark data regenerate` wrote: a JSONL file or a shard store (its sealed shards)."""
     path = Path(path).expanduser()
-    samples = []
-    for lineno, obj in read_jsonl(path):
-        try:
-            s = Sample(str(obj["id"]), [int(t) for t in obj["prompt_ids"]], [int(t) for t in obj["response_ids"]])
-        except (KeyError, TypeError, ValueError):
-            raise DsparkError(
-                f"{path}:{lineno}: expected a regenerated sample with 'id', 'prompt_ids' and 'response_ids' "
-                "(made by `dspark data regenerate`)"
-            ) from None
-        if len(s.response_ids) >= 2:  # anchors need two response tokens
-            samples.append(s)
+    if path.is_dir():
+        from dspark.train.shards import ShardStore
+
+        samples = [Sample(r["id"], r["prompt_ids"], r["response_ids"]) for r in ShardStore(path).records()]
+    else:
+        samples = [_jsonl_sample(path, lineno, obj) for lineno, obj in read_jsonl(path)]
+    samples = [s for s in samples if len(s.response_ids) >= 2]  # anchors need two response tokens
     if not samples:
         raise DsparkError(f"{path} holds no regenerated samples with a response of 2+ tokens")
     return samples
+
+
+def _jsonl_sample(path: Path, lineno: int, obj: dict) -> Sample:
+    try:
+        return Sample(str(obj["id"]), [int(t) for t in obj["prompt_ids"]], [int(t) for t in obj["response_ids"]])
+    except (KeyError, TypeError, ValueError):
+        raise DsparkError(
+            f"{path}:{lineno}: expected a regenerated sample with 'id', 'prompt_ids' and 'response_ids' "
+            "(made by `dspark data regenerate`)"
+        ) from None
 
 
 def select_prompts(paths: list[str | Path], shuffle: int | None = None, limit: int | None = None,

@@ -31,22 +31,28 @@ class LossSums:
 @dataclasses.dataclass
 class TargetDist:
     """The target's distribution at supervised slots, as the losses need it: its probabilities on
-    the draft vocabulary `p` [..., K] (all V tokens without a reduced vocabulary) and the mass
-    outside it `outside` [...]."""
+    the draft vocabulary `p` [..., K] (all V tokens without a reduced vocabulary), the mass
+    outside it `outside` [...], and its greedy token `top` [...] (a target id)."""
 
     p: torch.Tensor
     outside: torch.Tensor
+    top: torch.Tensor
 
     @classmethod
     def from_logits(cls, target_logits: torch.Tensor, draft_ids: torch.Tensor | None) -> "TargetDist":
         p_t = F.softmax(target_logits.float(), dim=-1)
+        top = target_logits.argmax(-1)
         if draft_ids is None:
-            return cls(p_t, p_t.new_zeros(p_t.shape[:-1]))
+            return cls(p_t, p_t.new_zeros(p_t.shape[:-1]), top)
         inside = p_t[..., draft_ids]
-        return cls(inside, (1 - inside.sum(-1)).clamp(min=0))
+        return cls(inside, (1 - inside.sum(-1)).clamp(min=0), top)
+
+    @classmethod
+    def cat(cls, parts: list["TargetDist"]) -> "TargetDist":
+        return cls(*(torch.cat([getattr(d, f.name) for d in parts]) for f in dataclasses.fields(cls)))
 
     def __getitem__(self, index) -> "TargetDist":
-        return TargetDist(self.p[index], self.outside[index])
+        return TargetDist(self.p[index], self.outside[index], self.top[index])
 
 
 def _dist(target: "TargetDist | torch.Tensor", draft_ids: torch.Tensor | None) -> TargetDist:
@@ -127,6 +133,17 @@ def acceptance_sums(
     alpha = (1 - 0.5 * l1).clamp(0, 1)  # clamp: rounding of the L1 sum
     sums = alpha.new_zeros(block_size).index_add_(0, block_pos, alpha)
     return sums, torch.bincount(block_pos, minlength=block_size).to(alpha.dtype)
+
+
+def greedy_acceptance_sums(
+    draft_logits: torch.Tensor, target: TargetDist | torch.Tensor, block_pos: torch.Tensor, block_size: int,
+    draft_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per block position k: Σ of T = 0 acceptances (the draft's argmax is the target's), shaped
+    like `acceptance_sums`' first tensor (its counts apply)."""
+    top = draft_logits.argmax(-1)
+    hit = ((top if draft_ids is None else draft_ids[top]) == _dist(target, draft_ids).top).to(torch.float64)
+    return hit.new_zeros(block_size).index_add_(0, block_pos, hit)
 
 
 def expected_tau(alpha: list[float]) -> float:

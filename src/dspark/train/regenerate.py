@@ -4,33 +4,91 @@ distribution (DESIGN.md §4).
 It runs on the batched engine with the plain AR policy: `batch_size` requests decode together and
 a finished one is written out at once while the next prompt takes its slot (continuous batching).
 Every prompt samples from its own generator (seeded by run seed + prompt id), so a reply does not
-depend on its batch neighbours, and a resumed run skips the ids already in the output file.
+depend on its batch neighbours, and a resumed run skips the ids already written.
+
+Output: a JSONL file (`*.jsonl`, one reply a line with its text) or a directory holding a
+`ShardStore` (token ids in sealed shards, for large sets; `dspark.train.shards`).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from dspark.decode.sampling import SamplingParams
 from dspark.errors import DsparkError
 from dspark.schedule.policies import ARPolicy
 from dspark.serve.engine import Engine, Request
+from dspark.target.loading import dtype_key
 from dspark.train.data import Prompt
+from dspark.train.shards import ShardStore
 from dspark.util.journal import read_records
+from dspark.util.platform import cpu_flags
 from dspark.util.seeding import derived_generator
 
 
-def finished_ids(out_path: Path) -> set[str]:
-    """Ids already written; a torn last line (killed mid-write) is cut off so appending stays valid."""
-    records, bad_line = read_records(out_path, cut=True)
-    if bad_line is not None or not all(isinstance(r, dict) and "id" in r for r in records):
-        raise DsparkError(f"{out_path}:{bad_line or '?'}: not a regeneration record; fix or move the file")
-    return {str(r["id"]) for r in records}
+class JsonlSink:
+    """Appends one JSON line per reply (with its text); a torn last line (killed mid-write) is cut off."""
+
+    def __init__(self, path: Path, decode):
+        self.path, self.decode = path, decode
+        path.parent.mkdir(parents=True, exist_ok=True)
+        records, bad_line = read_records(path, cut=True)
+        if bad_line is not None or not all(isinstance(r, dict) and "id" in r for r in records):
+            raise DsparkError(f"{path}:{bad_line or '?'}: not a regeneration record; fix or move the file")
+        self.done = {str(r["id"]) for r in records}
+        self.file = open(path, "a", encoding="utf-8")
+
+    def done_ids(self) -> set[str]:
+        return self.done
+
+    def add(self, record: dict) -> None:
+        self.file.write(json.dumps({**record, "response": self.decode(record["response_ids"])},
+                                   ensure_ascii=False) + "\n")
+        self.file.flush()
+
+    def close(self, run: dict) -> None:
+        os.fsync(self.file.fileno())
+        self.file.close()
+
+
+class StoreSink:
+    """Replies into a `ShardStore`; the remainder is sealed when every prompt is answered."""
+
+    def __init__(self, store: ShardStore):
+        self.store = store
+
+    def done_ids(self) -> set[str]:
+        return self.store.done_ids()
+
+    def add(self, record: dict) -> None:
+        self.store.add(record)
+
+    def close(self, run: dict) -> None:
+        if run["complete"]:
+            self.store.seal()
+        self.store.log_run(run)
+
+
+def regeneration_settings(target, params: SamplingParams, max_new_tokens: int, seed: int,
+                          max_prompt_tokens: int) -> dict:
+    """What a store's replies must share: appending replies made otherwise is refused."""
+    return {"target": target.path.name, "vocab_size": target.cfg.vocab_size, "dtype": dtype_key(target.model),
+            "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "seed": seed,
+            "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens}
+
+
+def open_sink(target, out_path: str | Path, settings: dict, shard_size: int = 1024):
+    out_path = Path(out_path).expanduser()
+    if out_path.suffix == ".jsonl":
+        return JsonlSink(out_path, target.decode)
+    return StoreSink(ShardStore(out_path, settings, shard_size))
 
 
 def regenerate(
@@ -43,17 +101,19 @@ def regenerate(
     seed: int = 0,
     max_prompt_tokens: int = 1024,
     progress: bool = True,
+    shard_size: int = 1024,
 ) -> dict:
-    """Write one JSON line per prompt to `out_path` (appending; finished ids are skipped).
+    """Answer every prompt not yet in `out_path` (a `.jsonl` file or a shard-store directory).
 
-    Line: {"id", "prompt_ids", "response_ids", "response", "finish_reason"}. Returns run stats."""
+    Record: {"id", "prompt_ids", "response_ids", "finish_reason"} (JSONL lines add "response", the
+    text). Returns run stats."""
     if batch_size < 1 or max_new_tokens < 1:
         raise DsparkError("batch size and max new tokens must be >= 1")
     if target.tokenizer is None:
         raise DsparkError("regeneration needs the target's tokenizer (chat template)")
-    out_path = Path(out_path).expanduser()
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = finished_ids(out_path)
+    sink = open_sink(target, out_path, regeneration_settings(target, params, max_new_tokens, seed, max_prompt_tokens),
+                     shard_size)
+    done = sink.done_ids()
     queue, too_long = [], 0
     for p in prompts:
         if p.id not in done:
@@ -67,30 +127,32 @@ def regenerate(
     written = {"prompts": 0, "tokens": 0}
     t0 = time.perf_counter()
     bar = tqdm(total=len(queue), desc="regenerating", unit="prompt", disable=not progress)
-    with open(out_path, "a", encoding="utf-8") as f:
+    run = {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "batch_size": batch_size}
 
-        def write(r: Request) -> None:
-            f.write(json.dumps({"id": r.id, "prompt_ids": r.prompt_ids, "response_ids": r.token_ids,
-                                "response": r.text, "finish_reason": r.finish_reason}, ensure_ascii=False) + "\n")
-            f.flush()
-            written["prompts"] += 1
-            written["tokens"] += len(r.token_ids)
-            bar.update(1)
-            bar.set_postfix(tok_s=f"{written['tokens'] / (time.perf_counter() - t0):.0f}")
+    def stats(complete: bool) -> dict:
+        elapsed = time.perf_counter() - t0
+        return {**run, "prompts_done": written["prompts"], "skipped_finished": len(done),
+                "skipped_too_long": too_long, "new_tokens": written["tokens"], "seconds": round(elapsed, 1),
+                "tokens_per_s": round(written["tokens"] / elapsed, 1) if elapsed > 0 else 0.0, "complete": complete}
 
-        for p, ids in queue:
-            engine.submit(Request(ids, max_new_tokens, params, generator=derived_generator(seed, p.id), id=p.id,
-                                  on_finish=write))
+    def write(r: Request) -> None:
+        sink.add({"id": r.id, "prompt_ids": r.prompt_ids, "response_ids": r.token_ids,
+                  "finish_reason": r.finish_reason})
+        written["prompts"] += 1
+        written["tokens"] += len(r.token_ids)
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{written['tokens'] / (time.perf_counter() - t0):.0f}")
+
+    for p, ids in queue:
+        engine.submit(Request(ids, max_new_tokens, params, generator=derived_generator(seed, p.id), id=p.id,
+                              on_finish=write))
+    complete = False
+    try:
         while engine.has_work():
             engine.step()
-        os.fsync(f.fileno())
-    bar.close()
-    elapsed = time.perf_counter() - t0
-    return {
-        "prompts_done": written["prompts"],
-        "skipped_finished": len(done),
-        "skipped_too_long": too_long,
-        "new_tokens": written["tokens"],
-        "seconds": elapsed,
-        "tokens_per_s": written["tokens"] / elapsed if elapsed > 0 else 0.0,
-    }
+        complete = True
+    finally:
+        sink.close(stats(complete))
+        bar.close()
+    return stats(complete)

@@ -40,6 +40,7 @@ from dspark.train.losses import (
     TargetDist,
     acceptance_sums,
     expected_tau,
+    greedy_acceptance_sums,
     kd_loss_sums,
     position_weights,
     step_weights,
@@ -49,9 +50,11 @@ from dspark.util.journal import read_records
 from dspark.util.seeding import derived_generator
 
 # Options a resumed run may change; anything else must match the checkpoint.
-RESUMABLE_CHANGES = {"steps", "checkpoint_every", "eval_every", "threads", "out", "device", "anchor_chunk"}
+RESUMABLE_CHANGES = {"steps", "checkpoint_every", "eval_every", "threads", "out", "device", "anchor_chunk",
+                     "val_data", "val_max_samples"}
 # what runs saved before an option existed had
-ADDED_OPTIONS = {"draft_layer": "target", "confidence_head_with_markov": True, "draft_vocab_size": 0, "anchor_chunk": 64}
+ADDED_OPTIONS = {"draft_layer": "target", "confidence_head_with_markov": True, "draft_vocab_size": 0, "anchor_chunk": 64,
+                 "val_data": ""}
 GROUP_STEPS = 16  # group_by_length sorts this many steps' sequences at a time
 
 
@@ -79,7 +82,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, resume: bool = False, progress: bool = True):
+    def __init__(self, cfg: TrainConfig, resume: bool = False, progress: bool = True, lead: "Trainer | None" = None):
+        """`lead`: a trainer of the same data and target whose target and samples this one shares
+        (`JointTrainer`)."""
         self.cfg = cfg.validate()
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
@@ -94,19 +99,11 @@ class Trainer:
 
         self.device = training_device(cfg.device)
         on_cpu = self.device.type == "cpu"
-        self.target = load_target(cfg.target or None, dtype=torch.float32, pack=on_cpu, require_tokenizer=False)
-        samples = load_samples(cfg.data)
-        keep = [s for s in samples if len(s.prompt_ids) <= cfg.max_seq_len - 2]
-        self.dropped_long = len(samples) - len(keep)
-        vocab = self.target.cfg.vocab_size
-        for s in keep[:50]:  # cheap sanity check that the data was made by this target's tokenizer
-            if max(s.prompt_ids + s.response_ids) >= vocab:
-                raise DsparkError(f"{cfg.data}: token ids exceed the target's vocabulary ({vocab}); "
-                                  "was it regenerated with another target?")
-        self.train_set = [s for s in keep if not is_validation(s.id, cfg.val_fraction)]
-        self.val_set = [s for s in keep if is_validation(s.id, cfg.val_fraction)][: cfg.val_max_samples]
-        if not self.train_set:
-            raise DsparkError(f"{cfg.data}: no training samples left after the validation split")
+        if lead is not None:
+            self.target, self.train_set, self.val_set = lead.target, lead.train_set, lead.val_set
+        else:
+            self.target = load_target(cfg.target or None, dtype=torch.float32, pack=on_cpu, require_tokenizer=False)
+            self._split_data()
 
         self.model = self._build_model().to(self.device)
         self.target.model.to(self.device)
@@ -246,6 +243,28 @@ class Trainer:
                 total += sum(w[: min(self.slots, n - 1 - p)])
         return total
 
+    def _split_data(self) -> None:
+        cfg = self.cfg
+        keep = self._load_data(cfg.data)
+        self.train_set = [s for s in keep if not is_validation(s.id, cfg.val_fraction)]
+        self.val_set = [s for s in keep if is_validation(s.id, cfg.val_fraction)]
+        if cfg.val_data:
+            self.val_set = self._load_data(cfg.val_data)
+            held_out = {s.id for s in self.val_set}
+            self.train_set = [s for s in self.train_set if s.id not in held_out]
+        self.val_set = self.val_set[: cfg.val_max_samples]
+        if not self.train_set:
+            raise DsparkError(f"{cfg.data}: no training samples left after the validation split")
+
+    def _load_data(self, path: str) -> list[Sample]:
+        keep = [s for s in load_samples(path) if len(s.prompt_ids) <= self.cfg.max_seq_len - 2]
+        vocab = self.target.cfg.vocab_size
+        for s in keep[:50]:  # cheap sanity check that the data was made by this target's tokenizer
+            if max(s.prompt_ids + s.response_ids) >= vocab:
+                raise DsparkError(f"{path}: token ids exceed the target's vocabulary ({vocab}); "
+                                  "was it regenerated with another target?")
+        return keep
+
     def data_fingerprint(self) -> str:
         """Identifies the training samples (ids, lengths, split): resuming on other data is refused."""
         h = hashlib.sha256()
@@ -254,9 +273,12 @@ class Trainer:
         return f"{len(self.train_set)}:{h.hexdigest()[:16]}"
 
     # ---- forward -------------------------------------------------------------------------
-    def target_outputs(self, items) -> dict:
+    def target_outputs(self, items, taps: tuple[int, ...] | None = None, slots: int | None = None) -> dict:
         """The frozen target's forward over a micro-batch, once; `drafter_outputs` then takes its
-        anchors chunk by chunk."""
+        anchors chunk by chunk. `taps` / `slots` (default: this drafter's) may be supersets, for
+        several drafters at once (`target_view` takes each one's part)."""
+        taps = self.taps if taps is None else tuple(taps)
+        slots = self.slots if slots is None else slots
         A = max(1, max(len(a) for _, a in items))
         seqs = [(s.prompt_ids + s.response_ids)[: self.cfg.max_seq_len] for s, _ in items]
         b, S = len(seqs), max(len(x) for x in seqs)
@@ -272,10 +294,10 @@ class Trainer:
         ids, lengths, anchors, valid = (t.to(self.device) for t in (ids, lengths, anchors, valid))
         tm = self.target.model
         t0 = self._clock()
-        out = tm(ids, tm.new_cache(b, S), taps=self.taps)
+        out = tm(ids, tm.new_cache(b, S), taps=taps)
         # the target's distribution once per input position a slot reads (anchors' blocks overlap:
         # with every anchor, each position is read by up to γ slots)
-        pos = anchors[..., None] + torch.arange(self.slots, device=self.device)  # each slot's input; predicts pos + 1
+        pos = anchors[..., None] + torch.arange(slots, device=self.device)  # each slot's input; predicts pos + 1
         sup = valid[..., None] & (pos + 1 < lengths[:, None, None])
         at = pos.clamp(max=S - 1)
         labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1).gather(1, at.flatten(1)).view_as(at)
@@ -289,13 +311,21 @@ class Trainer:
             parts = [TargetDist.from_logits(tm.logits(hidden[needed[i : i + 1024]]).clone(), ids_k)
                      for i in range(0, needed.numel(), 1024)]
         if parts:
-            dist = TargetDist(torch.cat([d.p for d in parts]), torch.cat([d.outside for d in parts]))
+            dist = TargetDist.cat(parts)
         else:  # no supervised slot in this micro-batch
             k = self.target.cfg.vocab_size if ids_k is None else ids_k.numel()
-            dist = TargetDist(torch.zeros(0, k, device=self.device), torch.zeros(0, device=self.device))
+            dist = TargetDist(torch.zeros(0, k, device=self.device), torch.zeros(0, device=self.device),
+                              torch.zeros(0, dtype=torch.long, device=self.device))
         target_s = self._clock() - t0
-        return dict(ids=ids, anchors=anchors, sup=sup, labels=labels, rows=row_of[flat], taps=out.taps, dist=dist,
-                    tokens=int(lengths.sum()), blocks=int(valid.sum()), target_s=target_s)
+        return dict(ids=ids, anchors=anchors, sup=sup, labels=labels, rows=row_of[flat], taps=out.taps, tap_ids=taps,
+                    dist=dist, tokens=int(lengths.sum()), blocks=int(valid.sum()), target_s=target_s)
+
+    def target_view(self, t: dict) -> dict:
+        """This drafter's part of `target_outputs` computed with more taps or slots."""
+        if t["tap_ids"] == self.taps and t["sup"].shape[-1] == self.slots:
+            return t
+        cut = {k: t[k][..., : self.slots] for k in ("sup", "labels", "rows")}
+        return {**t, **cut, "taps": t["taps"][:, :, [t["tap_ids"].index(x) for x in self.taps]], "tap_ids": self.taps}
 
     def anchor_spans(self, t: dict) -> list[tuple[int, int]]:
         A, k = t["anchors"].shape[1], self.cfg.anchor_chunk
@@ -341,14 +371,20 @@ class Trainer:
         return time.perf_counter()
 
     # ---- training ------------------------------------------------------------------------
-    def train_step(self) -> dict:
+    def micro_batches(self, items) -> list:
+        """This rank's share of a step's (sample, anchors), in `grad_accum` micro-batches."""
+        mine = items[self.rank :: self.world]
+        micro = max(1, math.ceil(len(mine) / self.cfg.grad_accum))
+        return [mine[i : i + micro] for i in range(0, len(mine), micro)]
+
+    def train_step(self, targets: list[dict] | None = None) -> dict:
+        """One optimiser step. `targets`: the target's outputs for this step's micro-batches, already
+        computed (shared by several drafters); their time is then reported, not spent here."""
         c = self.cfg
         t0 = time.perf_counter()
         items = self.global_batch(self.step)
         total_w = self._slot_weights(items)
-        mine = items[self.rank :: self.world]
-        micro = max(1, math.ceil(len(mine) / c.grad_accum))
-        chunks = [mine[i : i + micro] for i in range(0, len(mine), micro)]
+        chunks = self.micro_batches(items)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, c)
         sums = torch.zeros(4, dtype=torch.float64)
@@ -356,7 +392,7 @@ class Trainer:
         target_s = 0.0
         t_batches = self._clock()
         for i, chunk in enumerate(chunks):
-            t = self.target_outputs(chunk)
+            t = self.target_outputs(chunk) if targets is None else self.target_view(targets[i])
             spans = self.anchor_spans(t)
             tokens += t["tokens"]
             blocks += t["blocks"]
@@ -381,26 +417,28 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         t_end = self._clock()
-        dt = t_end - t0
+        dt = t_end - t0 + (target_s if targets is not None else 0.0)
         m = (sums / max(total_w, 1e-12)).tolist()
         return {"step": self.step, "lr": lr_at(self.step - 1, c), "loss": m[0], "ce": m[1], "tv": m[2],
                 "conf": m[3], "grad_norm": float(grad_norm), "seconds": dt,
                 # where the step's time went: the frozen target's forward, the drafter's forward and
                 # backward (losses included), and the optimiser (all-reduce, clipping, AdamW)
-                "target_s": target_s, "drafter_s": t_optimizer - t_batches - target_s,
+                "target_s": target_s, "drafter_s": t_optimizer - t_batches - (target_s if targets is None else 0.0),
                 "optimizer_s": t_end - t_optimizer,
                 "blocks_per_s": counts[1].item() / dt, "target_tok_per_s": counts[0].item() / dt,
                 "slots": int(counts[2].item()), "slots_per_s": counts[2].item() / dt}  # supervised draft slots
 
     @torch.no_grad()
     def validate(self) -> dict:
-        """Loss terms and per-position acceptance α_k on the validation set (fixed anchors)."""
+        """Loss terms and per-position acceptance α_k on the validation set (fixed anchors): at T = 1
+        (1 − TV) and at T = 0 (`alpha_greedy`: the draft's argmax is the target's), each conditional
+        on the true prefix."""
         if not self.val_set:
             return {}
         g = self.slots
         self.model.eval()
         sums = torch.zeros(4, dtype=torch.float64)
-        a_sum, a_cnt = torch.zeros(g, dtype=torch.float64), torch.zeros(g, dtype=torch.float64)
+        a_sum, a_cnt, greedy = (torch.zeros(g, dtype=torch.float64) for _ in range(3))
         total_w = 0.0
         bs = max(1, self.cfg.batch_size // self.world)
         for i in range(0, len(self.val_set), bs):
@@ -418,10 +456,13 @@ class Trainer:
                 s_, c_ = acceptance_sums(o["logits"][sup], o["target"], block_pos, g, self._draft_ids)
                 a_sum += s_.cpu()
                 a_cnt += c_.cpu()
+                greedy += greedy_acceptance_sums(o["logits"][sup], o["target"], block_pos, g, self._draft_ids).cpu()
         self.model.train()
         alpha = (a_sum / a_cnt.clamp(min=1)).tolist()
+        alpha_greedy = (greedy / a_cnt.clamp(min=1)).tolist()
         m = (sums / max(total_w, 1e-12)).tolist()
-        return {"loss": m[0], "ce": m[1], "tv": m[2], "conf": m[3], "alpha": alpha, "expected_tau": expected_tau(alpha)}
+        return {"loss": m[0], "ce": m[1], "tv": m[2], "conf": m[3], "alpha": alpha, "expected_tau": expected_tau(alpha),
+                "alpha_greedy": alpha_greedy, "expected_tau_greedy": expected_tau(alpha_greedy)}
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self) -> None:
@@ -470,48 +511,68 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> dict:
-        c = self.cfg
+        """Train to `steps`, validating, checkpointing and logging; returns the last validation."""
+        self.open_log()
+        bar = tqdm(total=self.cfg.steps, initial=self.step, desc="training", unit="step", disable=not self.progress)
+        last_val = self.validate_and_log() if self.step == 0 else {}
+        try:
+            while self.step < self.cfg.steps:
+                rec = self.train_step()
+                self.log(rec)
+                last_val = self.after_step() or last_val
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{last_val.get('expected_tau', 0):.2f}")
+        finally:
+            bar.close()
+            self.close_log()
+        self.finish()
+        return last_val
+
+    # the loop's parts, shared with JointTrainer
+    def open_log(self) -> None:
         log_path = self.out / "log.jsonl"
+        self._log_file = None
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             if self.step == 0:
                 log_path.unlink(missing_ok=True)  # a run killed before its first checkpoint restarts
             _truncate_log(log_path, self.step)
-            (self.out / "config.json").write_text(json.dumps(c.to_dict(), indent=2) + "\n")
-        bar = tqdm(total=c.steps, initial=self.step, desc="training", unit="step", disable=not self.progress)
-        last_val = {}
-        with open(log_path, "a") if self.rank == 0 else contextlib.nullcontext() as log:
-            def write(rec):
-                if log is not None:
-                    log.write(json.dumps(rec) + "\n")
-                    log.flush()
+            (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+            self._log_file = open(log_path, "a")
 
-            if self.step == 0:
-                last_val = self._validate_and_log(write)
-            while self.step < c.steps:
-                rec = self.train_step()
-                write(rec)
-                bar.update(1)
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{last_val.get('expected_tau', 0):.2f}")
-                if self.step % c.eval_every == 0 or self.step == c.steps:
-                    last_val = self._validate_and_log(write)
-                if self.step % c.checkpoint_every == 0 or self.step == c.steps:
-                    self.save_checkpoint()
-        bar.close()
+    def log(self, rec: dict) -> None:
+        if self._log_file is not None:
+            self._log_file.write(json.dumps(rec) + "\n")
+            self._log_file.flush()
+
+    def close_log(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def after_step(self) -> dict | None:
+        """Validation and checkpoint when due; the validation, if one ran."""
+        c, val = self.cfg, None
+        if self.step % c.eval_every == 0 or self.step == c.steps:
+            val = self.validate_and_log()
+        if self.step % c.checkpoint_every == 0 or self.step == c.steps:
+            self.save_checkpoint()
+        return val
+
+    def validate_and_log(self) -> dict:
+        val = self.validate() if self.rank == 0 else {}
+        if val:
+            self.log({"step": self.step, "val": val})
+        if self.world > 1:
+            dist.barrier()
+        return val
+
+    def finish(self) -> None:
         if self.rank == 0:
             save_drafter(self.model, self.out / "final", target=self.target)
             from dspark.train.plot import plot_training
 
-            plot_training(log_path, self.out / "curves.png")
-        return last_val
-
-    def _validate_and_log(self, write) -> dict:
-        val = self.validate() if self.rank == 0 else {}
-        if val:
-            write({"step": self.step, "val": val})
-        if self.world > 1:
-            dist.barrier()
-        return val
+            plot_training(self.out / "log.jsonl", self.out / "curves.png")
 
 
 def training_device(name: str) -> torch.device:
