@@ -42,9 +42,10 @@ SETS = ("gsm8k", "humaneval", "mt-bench")
 KS = (0, 4096, 8192, 16384)  # 0: the full vocabulary
 
 
-def drafter_for(target, k: int, replies: list[list[int]]):
-    cfg = new_draft_config(target, block_size=8, num_hidden_layers=1, markov_head_type="vanilla", markov_rank=32,
-                           enable_confidence_head=True, draft_vocab_size=k)
+def drafter_for(target, k: int, replies: list[list[int]], layers: int = 1, rank: int = 32, block: int = 8):
+    """A random DSpark drafter (the shipped shape by default) over the top-K tokens of `replies`."""
+    cfg = new_draft_config(target, block_size=block, num_hidden_layers=layers, markov_head_type="vanilla",
+                           markov_rank=rank, enable_confidence_head=True, draft_vocab_size=k)
     torch.manual_seed(0)
     model = DSparkModel(cfg)
     if k:
@@ -53,18 +54,17 @@ def drafter_for(target, k: int, replies: list[list[int]]):
 
 
 @torch.inference_mode()
-def draft_pass_latency(target, replies, reps: int, context: int = 256) -> dict:
+def draft_pass_latency(target, drafters: dict, reps: int, context: int = 256) -> dict:
+    """Median ms of one full-block draft pass of each drafter ({name: drafter}) at T = 0 and T = 1,
+    and of a 1- and 9-token target forward, all round-robin after a `context`-token prompt."""
     m = target.model
     ctx = list(range(1000, 1000 + context))
     taps = None
-    drafters = {}
-    for k in KS:
-        d = drafter_for(target, k, replies)
+    for d in drafters.values():
         if taps is None:
             taps = m(torch.tensor([ctx]), m.new_cache(1, context + 16), taps=d.tap_layers).taps[0]
         d.begin(ctx)
         d.observe(ctx, taps)
-        drafters[k] = d
     cache = m.new_cache(1, context + 16)
     m(torch.tensor([ctx]), cache)
     temps = {"T=0": SamplingParams(temperature=0.0), "T=1": SamplingParams(temperature=1.0)}
@@ -74,15 +74,16 @@ def draft_pass_latency(target, replies, reps: int, context: int = 256) -> dict:
         m.logits(m(torch.arange(200, 200 + q)[None], cache).hidden[0])
 
     jobs = {f"target {q}-token forward": (lambda q=q: target_forward(q)) for q in (1, 9)}
-    for k, d in drafters.items():
+    for label, d in drafters.items():
         for name, params in temps.items():
             gen = torch.Generator().manual_seed(0)
-            jobs[f"draft K={k or 'full'} {name}"] = lambda d=d, p=params, g=gen: d.propose(1234, 8, p, g)
+            jobs[f"draft {label} {name}"] = lambda d=d, p=params, g=gen: d.propose(1234, d.max_drafts, p, g)
     times = {n: [] for n in jobs}
-    for rep in range(reps + 2):  # round-robin; the first two rounds warm up
-        for name, job in jobs.items():
+    names = list(jobs)
+    for rep in range(reps + 2):  # round-robin in a rotated order (what runs first meets cold caches); 2 warm-ups
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
             t0 = time.perf_counter()
-            job()
+            jobs[name]()
             if rep >= 2:
                 times[name].append(time.perf_counter() - t0)
     return {n: statistics.median(v) * 1e3 for n, v in times.items()}
@@ -137,7 +138,7 @@ def main() -> None:
     torch.set_num_threads(2)
     target = load_target(None, dtype=args.dtype)
     replies = [s.response_ids for s in load_samples(DATA)]
-    latency = draft_pass_latency(target, replies, args.reps)
+    latency = draft_pass_latency(target, {f"K={k or 'full'}": drafter_for(target, k, replies) for k in KS}, args.reps)
     print(json.dumps(latency, indent=1), flush=True)
     evals = eval_replies(target, args.eval_prompts, 128)
     cover = {}

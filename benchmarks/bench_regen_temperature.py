@@ -9,8 +9,9 @@ trainer's id-hash validation split of data/train/prompts.jsonl, never trained on
 target greedily (T = 0 acceptance: the draft's argmax is the target's) and at T = 1 (acceptance
 1 − TV), each conditional on the true prefix; expected τ over a block of 8.
 
-Everything resumes: the regenerations are shard stores, the trainings checkpoint every 50 steps.
-Results: <out>.json.
+Everything resumes: the regenerations are shard stores under data/regen/ (committed as they grow:
+`smollm2-t0` the greedy arm, `val-smollm2-t0` / `val-smollm2-t1` the judging sets), the trainings
+checkpoint every 50 steps under --work. Results: <out>.json.
 
     .venv/bin/python benchmarks/bench_regen_temperature.py --out benchmarks/results/regen_temperature
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import random
 from pathlib import Path
 
 import torch
@@ -47,7 +49,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=32, help="regeneration rows (default 32)")
     ap.add_argument("--dtype", default="auto", help="the target's dtype for regeneration (default auto)")
-    ap.add_argument("--work", default=str(cache_root() / "bench-regen-temperature"))
+    ap.add_argument("--regen-dir", default=str(ROOT / "data" / "regen"), help="where the regenerated stores go")
+    ap.add_argument("--only-regenerate", action="store_true", help="stop after the regenerations")
+    ap.add_argument("--work", default=str(cache_root() / "bench-regen-temperature"), help="training runs")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "regen_temperature"))
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -57,18 +61,23 @@ def main() -> None:
     sampled = load_samples(SAMPLED)[: args.limit]
     wanted = {s.id for s in sampled}
     by_id = {p.id: p for p in load_prompts(PROMPTS)}
-    held_out = [p for p in by_id.values() if is_validation(p.id, 0.02)][: args.val_prompts]
+    held_out = [p for p in by_id.values() if is_validation(p.id, 0.02)]
+    random.Random(0).shuffle(held_out)  # a mix of the sources
+    held_out = held_out[: args.val_prompts]
 
     target = load_target(None, dtype=args.dtype)
+    stores = {name: Path(args.regen_dir) / name for name in ("smollm2-t0", "val-smollm2-t0", "val-smollm2-t1")}
     regen = {}
     for name, prompts, params in [
-        ("greedy", [by_id[i] for i in by_id if i in wanted], SamplingParams()),
-        ("val-greedy", held_out, SamplingParams()),
-        ("val-t1", held_out, SamplingParams(temperature=1.0)),
+        ("val-smollm2-t0", held_out, SamplingParams()),
+        ("val-smollm2-t1", held_out, SamplingParams(temperature=1.0)),
+        ("smollm2-t0", [by_id[i] for i in by_id if i in wanted], SamplingParams()),
     ]:
-        regen[name] = regenerate(target, prompts, work / name, params, args.max_new_tokens, args.batch_size,
-                                 max_prompt_tokens=1024)
+        regen[name] = regenerate(target, prompts, stores[name], params, args.max_new_tokens, args.batch_size,
+                                 max_prompt_tokens=1024, shard_size=256)
     del target
+    if args.only_regenerate:
+        return
 
     base = load_config(ROOT / "configs" / "dspark-smollm2.toml")
     base = dataclasses.replace(base, anchors_per_seq="all", draft_vocab_size=args.k, steps=args.steps, threads=2,
@@ -76,25 +85,25 @@ def main() -> None:
     if args.limit:  # the same sampled replies as the greedy arm
         subset = work / "sampled-subset.jsonl"
         subset.write_text("".join(json.dumps(dataclasses.asdict(s)) + "\n" for s in sampled))
-    arms = {"sampled T=0.7": subset if args.limit else SAMPLED, "greedy T=0": work / "greedy"}
+    arms = {"sampled T=0.7": subset if args.limit else SAMPLED, "greedy T=0": stores["smollm2-t0"]}
     results = {}
     for arm, data in arms.items():
         run = work / arm.split()[0]
-        cfg = dataclasses.replace(base, data=str(data), out=str(run), val_data=str(work / "val-greedy"))
+        cfg = dataclasses.replace(base, data=str(data), out=str(run), val_data=str(stores["val-smollm2-t0"]))
         trainer = Trainer(cfg, resume=(run / "checkpoint").is_dir())
         trainer.run()
         judged = {}
-        for val in ("val-greedy", "val-t1"):
+        for val in ("val-smollm2-t0", "val-smollm2-t1"):
             judge = dataclasses.replace(cfg, init=str(run / "final"), out=str(work / f"judge-{arm.split()[0]}"),
-                                        val_data=str(work / val), val_max_samples=args.val_prompts)
+                                        val_data=str(stores[val]), val_max_samples=args.val_prompts)
             judged[val] = Trainer(judge, progress=False).validate()
         results[arm] = {
             "train_samples": len(trainer.train_set),
             "train_response_tokens": sum(len(s.response_ids) for s in trainer.train_set),
-            "tau_t0_on_greedy_replies": judged["val-greedy"]["expected_tau_greedy"],
-            "alpha_t0": judged["val-greedy"]["alpha_greedy"],
-            "tau_t1_on_t1_replies": judged["val-t1"]["expected_tau"],
-            "alpha_t1": judged["val-t1"]["alpha"],
+            "tau_t0_on_greedy_replies": judged["val-smollm2-t0"]["expected_tau_greedy"],
+            "alpha_t0": judged["val-smollm2-t0"]["alpha_greedy"],
+            "tau_t1_on_t1_replies": judged["val-smollm2-t1"]["expected_tau"],
+            "alpha_t1": judged["val-smollm2-t1"]["alpha"],
         }
     report = {"command": f"benchmarks/bench_regen_temperature.py --steps {args.steps} --k {args.k} "
                          f"--val-prompts {args.val_prompts}" + (f" --limit {args.limit}" if args.limit else ""),

@@ -88,9 +88,17 @@ def test_eval_runs_every_drafter_and_ar_on_the_same_prompts(smollm2_fp32, tmp_pa
     ds.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in eval_prompts("humaneval", 2)))
     save_drafter(make_random_dspark(target, "vanilla", block_size=4, rank=8, std=0.02).model, tmp_path / "rand",
                  target=target)
-    results = evaluate(target, ["prompt-lookup", str(tmp_path / "rand")], [ds], 2, 24, [0.0], progress=False)
+    reduced = list(range(0, target.cfg.vocab_size, 3))  # a draft vocabulary of every third token
+    save_drafter(make_random_dspark(target, "vanilla", block_size=4, rank=8, std=0.02, draft_vocab=reduced).model,
+                 tmp_path / "third", target=target)
+    results = evaluate(target, ["prompt-lookup", str(tmp_path / "rand"), str(tmp_path / "third")], [ds], 2, 24, [0.0],
+                       progress=False)
     runs = {(r["drafter"], r["dataset"]): r for r in results["runs"]}
-    assert set(runs) == {("prompt-lookup", "mini"), ("prompt-lookup", "macro"), ("rand", "mini"), ("rand", "macro")}
+    assert set(runs) == {(d, s) for d in ("prompt-lookup", "rand", "third") for s in ("mini", "macro")}
+    replies = [Decoder(target).generate(target.encode_prompt(p), 24).token_ids for p in eval_prompts("humaneval", 2)]
+    inside = sum(t % 3 == 0 for r in replies for t in r) / sum(len(r) for r in replies)
+    assert 0 < inside < 1 and runs[("third", "mini")]["vocab_coverage"] == pytest.approx(inside)
+    assert runs[("rand", "mini")]["vocab_coverage"] == 1.0 and runs[("prompt-lookup", "mini")]["vocab_coverage"] is None
     pl = runs[("prompt-lookup", "mini")]
     assert pl["prompts"] == 2 and pl["tau"] >= 1.0 and pl["ar_decode_tok_s"] > 0
     assert pl["speedup"] == pytest.approx(pl["decode_tok_s"] / pl["ar_decode_tok_s"])
@@ -106,7 +114,7 @@ def test_eval_runs_every_drafter_and_ar_on_the_same_prompts(smollm2_fp32, tmp_pa
     assert any(row.startswith("| rand | mini |") and f"{raw:.3f} → {sts:.3f}" in row for row in report)
     assert any(row.startswith("| prompt-lookup | mini |") and row.endswith("| – | – | – |") for row in report)
     assert set(json.loads((tmp_path / "out" / "results.json").read_text())["runs"][0]) >= {
-        "drafter", "dataset", "temperature", "prompts", "tau", "cond_accept", "verify_efficiency", "decode_tok_s",
+        "drafter", "dataset", "temperature", "prompts", "vocab_coverage", "tau", "cond_accept", "verify_efficiency", "decode_tok_s",
         "ar_decode_tok_s", "speedup", "calibration"}
 
 

@@ -157,7 +157,7 @@ def test_regenerate_cli_into_a_store_and_bad_outputs(tmp_path):
     assert_clean_error(run_cli("data", "regenerate", "--prompts", str(prompts), "--out", str(tmp_path / "file")),
                        "is not a directory")
     assert_clean_error(run_cli("data", "regenerate", "--prompts", str(prompts), "--out", str(tmp_path / "store"),
-                               "--temperature", "0.5"), "differs in temperature")
+                               "--max-new-tokens", "6", "--temperature", "0.5"), "(differs in temperature)")
 
 
 def test_training_reads_a_store(tiny_target, tmp_path):
@@ -176,7 +176,7 @@ def test_training_reads_a_store(tiny_target, tmp_path):
     val.seal()
     cfg = TrainConfig(data=str(tmp_path / "store"), out=str(tmp_path / "run"), target=str(target.path), steps=2,
                       batch_size=2, anchors_per_seq=4, block_size=4, markov_rank=8, eval_every=2,
-                      checkpoint_every=2, val_fraction=0.2, threads=1)
+                      checkpoint_every=2, val_fraction=0.2)
     trainer = Trainer(cfg, progress=False)
     assert len(trainer.train_set) + len(trainer.val_set) == sum(len(r["response_ids"]) >= 2 for r in store.records())
     trainer = Trainer(dataclasses.replace(cfg, val_data=str(tmp_path / "val"), val_fraction=0.0), progress=False)

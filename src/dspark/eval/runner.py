@@ -13,6 +13,7 @@ from tqdm import tqdm
 from dspark.decode.generate import Decoder
 from dspark.decode.sampling import SamplingParams
 from dspark.decode.step import Round
+from dspark.draft import vocab
 from dspark.draft.registry import drafter_digest, resolve_drafter_spec, split_spec
 from dspark.errors import DsparkError
 from dspark.eval import metrics
@@ -50,22 +51,29 @@ class RunAccumulator:
     tokens: int = 0  # decode-round tokens (prefill token excluded)
     decode_s: float = 0.0
     prompts: int = 0
+    replies: list[list[int]] = dataclasses.field(default_factory=list)  # AR's token ids (the target's replies)
 
     def add(self, record: dict) -> None:
         self.rounds += [Round(*r) for r in record["rounds"]]
         self.tokens += record["decode_tokens"]
         self.decode_s += record["decode_s"]
         self.prompts += 1
+        if "token_ids" in record:
+            self.replies.append(record["token_ids"])
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.decode_s if self.decode_s else 0.0
 
 
-def generation_record(result) -> dict:
-    """What the report needs of one generation, as JSON (the journal's line)."""
-    return {"decode_tokens": result.stats.new_tokens - 1, "decode_s": result.stats.decode_s,
-            "rounds": [[r.verified, r.accepted, r.confidence_logits] for r in result.rounds]}
+def generation_record(result, keep_tokens: bool = False) -> dict:
+    """What the report needs of one generation, as JSON (the journal's line); AR's keeps its tokens,
+    against which draft vocabularies are measured."""
+    record = {"decode_tokens": result.stats.new_tokens - 1, "decode_s": result.stats.decode_s,
+              "rounds": [[r.verified, r.accepted, r.confidence_logits] for r in result.rounds]}
+    if keep_tokens:
+        record["token_ids"] = result.token_ids
+    return record
 
 
 def drafter_name(spec: str) -> str:
@@ -128,7 +136,8 @@ def evaluate(
                     record = done.get(key)
                     if record is None:
                         ids = ids or target.encode_prompt(text)
-                        record = generation_record(engines[name].generate(ids, max_new_tokens, params, seed=seed + i))
+                        result = engines[name].generate(ids, max_new_tokens, params, seed=seed + i)
+                        record = generation_record(result, keep_tokens=name == "ar")
                         if journal:
                             journal.add(key, record)
                     acc.setdefault((name, ds, temp), RunAccumulator()).add(record)
@@ -158,11 +167,14 @@ def _run_record(name, ds, temp, a: RunAccumulator, ar: RunAccumulator, drafter) 
         calibration["uncalibrated"] = {k: raw[k] for k in ("ece", "auc", "brier", "per_position")}
         calibration["threshold_sweep"] = metrics.threshold_sweep(
             a.rounds, [i / 20 for i in range(20)], temps)
+    model = getattr(drafter, "model", None)  # None: prompt lookup, which has no vocabulary
     return {
         "drafter": name,
         "dataset": ds,
         "temperature": temp,
         "prompts": a.prompts,
+        # share of the target's own reply tokens (AR's, this set) that the draft vocabulary holds
+        "vocab_coverage": vocab.coverage(ar.replies, model.draft_ids) if model is not None and ar.replies else None,
         "tau": metrics.tau(a.rounds),
         "cond_accept": metrics.conditional_acceptance(a.rounds, positions),
         "verify_efficiency": metrics.verify_efficiency(a.rounds),
@@ -186,8 +198,9 @@ def _macro(name, temp, rows: list[dict]) -> dict:
         calibration = {k: statistics.fmean(c[k] for c in cals) for k in ("ece", "auc", "brier")}
         calibration["uncalibrated"] = {k: statistics.fmean(c["uncalibrated"][k] for c in cals)
                                        for k in ("ece", "auc", "brier")}
+    coverage = [r["vocab_coverage"] for r in rows if r["vocab_coverage"] is not None]
     return {"drafter": name, "dataset": "macro", "temperature": temp, "prompts": sum(r["prompts"] for r in rows),
-            "tau": mean("tau"), "cond_accept": cond, "verify_efficiency": mean("verify_efficiency"),
+            "vocab_coverage": statistics.fmean(coverage) if coverage else None, "tau": mean("tau"), "cond_accept": cond, "verify_efficiency": mean("verify_efficiency"),
             "decode_tok_s": mean("decode_tok_s"), "ar_decode_tok_s": mean("ar_decode_tok_s"),
             "speedup": mean("speedup"), "calibration": calibration}
 
@@ -203,15 +216,17 @@ def write_report(results: dict, out: Path) -> None:
     for temp in cfg["temperatures"]:
         lines += [f"## T = {temp}", "",
                   "| drafter | dataset | τ | verify eff. | decode tok/s | AR tok/s | speedup "
-                  "| ECE raw → STS | AUC raw → STS | Brier raw → STS |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| ECE raw → STS | AUC raw → STS | Brier raw → STS | vocab coverage |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["runs"]:
             if r["temperature"] != temp:
                 continue
             cal = _calibration_cells(r["calibration"])
             name = f"**{r['dataset']}**" if r["dataset"] == "macro" else r["dataset"]
+            coverage = "–" if r.get("vocab_coverage") is None else f"{r['vocab_coverage']:.1%}"
             lines.append(f"| {r['drafter']} | {name} | {r['tau']:.2f} | {r['verify_efficiency']:.2f} | "
-                         f"{r['decode_tok_s']:.1f} | {r['ar_decode_tok_s']:.1f} | {r['speedup']:.2f}x | {cal} |")
+                         f"{r['decode_tok_s']:.1f} | {r['ar_decode_tok_s']:.1f} | {r['speedup']:.2f}x | {cal} "
+                         f"| {coverage} |")
         lines += ["", "Conditional acceptance by block position (macro average):", "",
                   "| drafter | " + " | ".join(f"k={k}" for k in range(_max_positions(results, temp))) + " |",
                   "|---|" + "---|" * _max_positions(results, temp)]

@@ -53,6 +53,9 @@ class JsonlSink:
                                    ensure_ascii=False) + "\n")
         self.file.flush()
 
+    def progress(self, run: dict) -> None:
+        pass
+
     def close(self, run: dict) -> None:
         os.fsync(self.file.fileno())
         self.file.close()
@@ -63,6 +66,8 @@ class StoreSink:
 
     def __init__(self, store: ShardStore):
         self.store = store
+        self.sealed = len(store.manifest["shards"])
+        self.run_index = len(store.manifest["runs"])  # this run's entry in the manifest
 
     def done_ids(self) -> set[str]:
         return self.store.done_ids()
@@ -70,17 +75,24 @@ class StoreSink:
     def add(self, record: dict) -> None:
         self.store.add(record)
 
+    def progress(self, run: dict) -> None:
+        """The run's throughput goes into the manifest with every shard it seals."""
+        if len(self.store.manifest["shards"]) != self.sealed:
+            self.sealed = len(self.store.manifest["shards"])
+            self.store.log_run(self.run_index, run)
+
     def close(self, run: dict) -> None:
         if run["complete"]:
             self.store.seal()
-        self.store.log_run(run)
+        self.store.log_run(self.run_index, run)
 
 
 def regeneration_settings(target, params: SamplingParams, max_new_tokens: int, seed: int,
                           max_prompt_tokens: int) -> dict:
-    """What a store's replies must share: appending replies made otherwise is refused."""
-    return {"target": target.path.name, "vocab_size": target.cfg.vocab_size, "dtype": dtype_key(target.model),
-            "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "seed": seed,
+    """What a store's replies must share: appending replies made otherwise is refused. (The dtype
+    may differ between runs, so that a store grows on CPUs with and without bf16 units; each run
+    records its own.)"""
+    return {"target": target.path.name, "vocab_size": target.cfg.vocab_size, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "seed": seed,
             "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens}
 
 
@@ -128,7 +140,8 @@ def regenerate(
     t0 = time.perf_counter()
     bar = tqdm(total=len(queue), desc="regenerating", unit="prompt", disable=not progress)
     run = {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "batch_size": batch_size}
+           "dtype": dtype_key(target.model), "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(),
+           "batch_size": batch_size}
 
     def stats(complete: bool) -> dict:
         elapsed = time.perf_counter() - t0
@@ -141,6 +154,7 @@ def regenerate(
                   "finish_reason": r.finish_reason})
         written["prompts"] += 1
         written["tokens"] += len(r.token_ids)
+        sink.progress(stats(False))
         bar.update(1)
         bar.set_postfix(tok_s=f"{written['tokens'] / (time.perf_counter() - t0):.0f}")
 

@@ -181,11 +181,8 @@ class ShardStore:
             self.pending = rest
             self._rewrite_pending()
 
-    def log_run(self, run: dict) -> None:
-        """Record (or update, same `started`) one regeneration run's throughput in the manifest."""
+    def log_run(self, index: int, run: dict) -> None:
+        """Record (or update) regeneration run number `index`'s throughput in the manifest."""
         runs = self.manifest.setdefault("runs", [])
-        if runs and runs[-1].get("started") == run.get("started"):
-            runs[-1] = run
-        else:
-            runs.append(run)
+        runs[index:index + 1] = [run]
         _write_json(self.root / MANIFEST, self.manifest)
