@@ -167,6 +167,7 @@ def regenerate(
             engine.step()
         complete = True
     finally:
-        sink.close(stats(complete))
+        result = stats(complete)
+        sink.close(result)
         bar.close()
-    return stats(complete)
+    return result

@@ -94,10 +94,14 @@ class ShardStore:
         shards = self.manifest["shards"]
         return {k: sum(s[k] for s in shards) for k in ("samples", "prompt_tokens", "response_tokens")}
 
-    def read_shard(self, entry: dict, verify: bool = True) -> list[dict]:
+    def _shard_path(self, entry: dict) -> Path:
         path = self.root / entry["file"]
         if not path.is_file():
             raise DsparkError(f"{path} is missing (listed in {self.root / MANIFEST}); restore it from git")
+        return path
+
+    def read_shard(self, entry: dict, verify: bool = True) -> list[dict]:
+        path = self._shard_path(entry)
         if verify and _sha256(path) != entry["sha256"]:
             raise DsparkError(f"{path} does not match its sha256 in {self.root / MANIFEST}: the data changed; "
                               "restore it from git or regenerate into a new store")
@@ -117,8 +121,11 @@ class ShardStore:
         return [r for entry in self.manifest["shards"] for r in self.read_shard(entry, verify)]
 
     def sealed_ids(self) -> set[str]:
-        if self._sealed_ids is None:
-            self._sealed_ids = {r["id"] for r in self.records(verify=False)}
+        if self._sealed_ids is None:  # from the shards' metadata: no token is read
+            self._sealed_ids = set()
+            for entry in self.manifest["shards"]:
+                with safe_open(str(self._shard_path(entry)), "pt") as f:
+                    self._sealed_ids.update(json.loads(f.metadata()["ids"]))
         return self._sealed_ids
 
     def done_ids(self) -> set[str]:
