@@ -40,6 +40,12 @@ SAMPLED = ROOT / "data" / "regen" / "smollm2.jsonl"
 PROMPTS = ROOT / "data" / "train" / "prompts.jsonl"
 
 
+def regeneration_record(store: Path) -> dict:
+    """A store's totals and the runs that produced its replies (not later no-op resumes)."""
+    manifest = json.loads((store / "manifest.json").read_text())
+    return {"totals": manifest["totals"], "runs": [r for r in manifest["runs"] if r["prompts_done"]]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=600, help="training steps per arm (default 600)")
@@ -67,14 +73,13 @@ def main() -> None:
 
     target = load_target(None, dtype=args.dtype)
     stores = {name: Path(args.regen_dir) / name for name in ("smollm2-t0", "val-smollm2-t0", "val-smollm2-t1")}
-    regen = {}
     for name, prompts, params in [
         ("val-smollm2-t0", held_out, SamplingParams()),
         ("val-smollm2-t1", held_out, SamplingParams(temperature=1.0)),
         ("smollm2-t0", [by_id[i] for i in by_id if i in wanted], SamplingParams()),
     ]:
-        regen[name] = regenerate(target, prompts, stores[name], params, args.max_new_tokens, args.batch_size,
-                                 max_prompt_tokens=1024, shard_size=256)
+        regenerate(target, prompts, stores[name], params, args.max_new_tokens, args.batch_size,
+                   max_prompt_tokens=1024, shard_size=256)
     del target
     if args.only_regenerate:
         return
@@ -107,7 +112,7 @@ def main() -> None:
         }
     report = {"command": f"benchmarks/bench_regen_temperature.py --steps {args.steps} --k {args.k} "
                          f"--val-prompts {args.val_prompts}" + (f" --limit {args.limit}" if args.limit else ""),
-              "machine": {"flags": cpu_flags(), "threads": 2}, "regeneration": regen, "results": results}
+              "machine": {"flags": cpu_flags(), "threads": 2}, "regeneration": {name: regeneration_record(path) for name, path in stores.items()}, "results": results}
     Path(args.out).with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(results, indent=1))
 

@@ -142,6 +142,9 @@ def test_regeneration_into_a_store_resumes_and_equals_single_requests(smollm2_fp
         assert got[p.id]["response_ids"] == want.token_ids and got[p.id]["finish_reason"] == want.finish_reason
     runs = store.manifest["runs"]
     assert [r["prompts_done"] for r in runs] == [3, 2] and all(r["tokens_per_s"] > 0 for r in runs)
+    before = (out / "manifest.json").read_bytes()
+    regenerate(target, prompts, out, SamplingParams(), max_new_tokens=12, progress=False)
+    assert (out / "manifest.json").read_bytes() == before  # a resume with nothing to do changes nothing
     with pytest.raises(DsparkError, match="differs in max_new_tokens"):
         regenerate(target, prompts, out, SamplingParams(), max_new_tokens=13, progress=False)
 

@@ -66,7 +66,7 @@ class StoreSink:
 
     def __init__(self, store: ShardStore):
         self.store = store
-        self.sealed = len(store.manifest["shards"])
+        self.sealed = self.sealed_at_start = len(store.manifest["shards"])
         self.run_index = len(store.manifest["runs"])  # this run's entry in the manifest
 
     def done_ids(self) -> set[str]:
@@ -84,7 +84,8 @@ class StoreSink:
     def close(self, run: dict) -> None:
         if run["complete"]:
             self.store.seal()
-        self.store.log_run(self.run_index, run)
+        if run["prompts_done"] or len(self.store.manifest["shards"]) != self.sealed_at_start:
+            self.store.log_run(self.run_index, run)  # a resume that found nothing to do leaves no trace
 
 
 def regeneration_settings(target, params: SamplingParams, max_new_tokens: int, seed: int,
