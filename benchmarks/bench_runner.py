@@ -29,9 +29,9 @@ import llama_cpp
 import torch
 
 from dspark.decode.generate import Decoder
+from dspark.eval.llama_cpp import bf16_gguf
 from dspark.schedule.rules import load_speculation
 from dspark.target.loading import default_dtype, embedded_gguf_path, load_target
-from dspark.util.cache import cache_root
 from dspark.util.platform import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,21 +39,6 @@ SETS = ("gsm8k", "humaneval", "mt-bench")
 KS = (1, 2, 4, 8, 9, 16)
 CONTEXT = 200
 AUTO_NAME = {"float32": "fp32", "bfloat16": "bf16"}
-
-
-def bf16_gguf(src: Path) -> Path:
-    """A BF16 requantisation of `src` (llama.cpp's own quantiser), made once."""
-    out = cache_root() / "gguf" / f"{src.stem}-BF16.gguf"
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_BF16
-        params.allow_requantize = True
-        tmp = out.with_suffix(".tmp")
-        if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
-            raise SystemExit(f"llama.cpp could not requantise {src} to BF16")
-        tmp.replace(out)
-    return out
 
 
 class LlamaCpp:

@@ -14,6 +14,7 @@ from dspark.draft.checkpoint import save_drafter
 from dspark.errors import DsparkError
 from dspark.eval import metrics
 from dspark.eval.calibration import fit_sts
+from dspark.eval.llama_cpp import LlamaCppDecoder, llama_cpp_path
 from dspark.eval.runner import evaluate, write_report
 from dspark.schedule.policies import ThresholdPolicy
 from dspark.target.loading import load_target
@@ -118,6 +119,31 @@ def test_eval_runs_every_drafter_and_ar_on_the_same_prompts(smollm2_fp32, tmp_pa
         "ar_decode_tok_s", "speedup", "calibration"}
 
 
+def test_eval_runs_llama_cpp_on_the_same_prompts_beside_dspark(smollm2_fp32, tmp_path):
+    target = smollm2_fp32
+    ds = tmp_path / "mini.jsonl"
+    prompts = eval_prompts("gsm8k", 2)
+    ds.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in prompts))
+    peer = LlamaCppDecoder(llama_cpp_path("embedded"), threads=2)
+    assert peer.name == "llama.cpp Q4_1" and peer.one_token_batches
+    for p in prompts:  # the same chat-template ids: llama.cpp's greedy reply starts as the target's does
+        ids = target.encode_prompt(p)
+        got, want = peer.generate(ids, 6), Decoder(target).generate(ids, 6)
+        assert len(got.token_ids) == 6 and got.finish_reason == "length" and got.stats.decode_s > 0
+        assert got.token_ids[0] == want.token_ids[0]
+    results = evaluate(target, ["prompt-lookup"], [ds], 2, 12, [0.0, 1.0], progress=False, peers=[peer],
+                       journal_path=tmp_path / "ev" / "journal.jsonl")
+    rows = {(r["engine"], r["dataset"], r["temperature"]) for r in results["peers"]}
+    assert rows == {("llama.cpp Q4_1", d, t) for d in ("mini", "macro") for t in (0.0, 1.0)}
+    assert all(r["prompts"] == 2 and r["decode_tok_s"] > 0 for r in results["peers"] if r["dataset"] == "mini")
+    assert results["config"]["machine"]["threads"] >= 1
+    write_report(results, tmp_path / "ev")
+    report = (tmp_path / "ev" / "report.md").read_text()
+    assert "| llama.cpp Q4_1 | mini |" in report and "| prompt-lookup | " in report.split("over llama.cpp Q4_1")[-1]
+    with pytest.raises(DsparkError, match="expected a .gguf file"):
+        llama_cpp_path(str(tmp_path / "missing.gguf"))
+
+
 def test_eval_journal_resumes_after_a_kill_and_refuses_other_settings(smollm2_fp32, tmp_path):
     target = smollm2_fp32
     ds = tmp_path / "mini.jsonl"
@@ -216,6 +242,7 @@ def test_eval_and_calibrate_cli(tmp_path, tiny_targets):
         (["--dataset", str(tmp_path / "bad.jsonl")], "bad.jsonl:2"),
         (["--dataset", str(ds), "--drafter", str(other)], "different target"),
         (["--dataset", str(ds), "--temperature", "-1"], "temperature"),
+        (["--dataset", str(ds), "--llama-cpp", str(tmp_path / "model.bin")], "expected a .gguf file"),
     ]:
         assert_clean_error(run_cli("eval", "--drafter", "prompt-lookup", "--out", str(tmp_path / "x"), *args), needle)
     assert_clean_error(run_cli("calibrate", "--drafter", "prompt-lookup", "--dataset", str(ds)), "prompt-lookup")

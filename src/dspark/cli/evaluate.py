@@ -30,6 +30,10 @@ def add_parsers(sub) -> None:
     ev.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i (default 0)")
     ev.add_argument("--confidence-threshold", type=float, default=None,
                     help="verify drafts only while calibrated prefix survival >= C (drafters with a confidence head)")
+    ev.add_argument("--llama-cpp", action="append", default=[], metavar="GGUF",
+                    help="also decode plainly with llama.cpp on this GGUF (repeatable; 'embedded' = the embedded "
+                    "Q4_1 file, 'embedded-bf16' = a BF16 copy of it made once by llama.cpp's quantiser): decode "
+                    "tok/s side by side with dspark's on the same prompts")
     ev.add_argument("--out", required=True, help="output directory")
     target_args(ev, threads=True)
     ev.set_defaults(func=cmd_eval)
@@ -55,7 +59,10 @@ def add_parsers(sub) -> None:
 
 
 def cmd_eval(args) -> int:
+    import torch
+
     from dspark.decode.sampling import SamplingParams
+    from dspark.eval.llama_cpp import LlamaCppDecoder, llama_cpp_path
     from dspark.eval.runner import default_datasets, evaluate, write_report
     from dspark.target.loading import parse_dtype
 
@@ -69,9 +76,10 @@ def cmd_eval(args) -> int:
     check_writable(args.out)
     parse_dtype(args.dtype)
     target = open_target(args)
+    peers = [LlamaCppDecoder(llama_cpp_path(spec), torch.get_num_threads()) for spec in args.llama_cpp]
     out = Path(args.out)
     results = evaluate(target, args.drafter, datasets, args.limit, args.max_new_tokens, temps, args.seed,
-                       args.confidence_threshold, journal_path=out / "journal.jsonl")
+                       args.confidence_threshold, journal_path=out / "journal.jsonl", peers=peers)
     write_report(results, out)
     print((out / "report.md").read_text())
     return 0

@@ -8,6 +8,7 @@ import json
 import statistics
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from dspark.decode.generate import Decoder
@@ -21,6 +22,7 @@ from dspark.schedule.rules import load_speculation
 from dspark.target.loading import dtype_key
 from dspark.train.data import read_jsonl
 from dspark.util.journal import Journal, json_digest
+from dspark.util.platform import cpu_flags
 
 DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[3] / "data" / "eval"
 
@@ -99,11 +101,13 @@ def evaluate(
     confidence_threshold: float | None = None,
     progress: bool = True,
     journal_path: Path | None = None,
+    peers: list | None = None,
 ) -> dict:
-    """Run every drafter and AR on the same prompts; returns {"runs": [...]} (see README).
+    """Run every drafter and AR on the same prompts; returns {"runs": [...], "peers": [...]} (see README).
 
-    With `journal_path`, finished generations are kept there and a rerun with the same settings
-    continues where the last one stopped."""
+    `peers`: other engines' plain decoders (`LlamaCppDecoder`), run in the same rotation; their rows
+    report decode speed only. With `journal_path`, finished generations are kept there and a rerun
+    with the same settings continues where the last one stopped."""
     prompt_sets = {Path(d).stem: load_eval_prompts(d)[:limit] for d in datasets}
     engines: dict[str, Decoder] = {"ar": Decoder(target)}
     drafters = {}
@@ -115,10 +119,16 @@ def evaluate(
         threshold = confidence_threshold if spec not in ("prompt-lookup", "none") else None
         _, drafters[name], policy = load_speculation(spec, target, None, threshold)
         engines[name] = Decoder(target, drafters[name], policy)
+    for peer in peers or []:
+        if peer.name in engines:
+            raise DsparkError(f"{peer.name} given twice")
+        engines[peer.name] = peer
     settings = {"target": str(target.path), "dtype": dtype_key(target.model), "max_new_tokens": max_new_tokens,
                 "temperatures": temperatures, "seed": seed, "confidence_threshold": confidence_threshold,
                 "datasets": {ds: json_digest(p) for ds, p in prompt_sets.items()},
                 "drafters": {spec: drafter_digest(spec) for spec in drafter_specs}}
+    if peers:
+        settings["peers"] = {p.name: str(p.path) for p in peers}
     journal = Journal(journal_path, settings) if journal_path else None
     done = journal.done if journal else {}
     total = len(temperatures) * sum(len(p) for p in prompt_sets.values()) * len(engines)
@@ -153,9 +163,17 @@ def evaluate(
                 per_ds.append(_run_record(name, ds, temp, a, ar, drafter))
             runs += per_ds
             runs.append(_macro(name, temp, per_ds))
-    return {"runs": runs, "config": {"datasets": {k: len(v) for k, v in prompt_sets.items()},
+    peer_rows = []
+    for temp in temperatures:
+        for peer in peers or []:
+            per_ds = [_peer_record(peer.name, ds, temp, acc[(peer.name, ds, temp)], acc[("ar", ds, temp)])
+                      for ds in prompt_sets]
+            peer_rows += per_ds + [_peer_macro(peer.name, temp, per_ds)]
+    return {"runs": runs, "peers": peer_rows, "config": {"datasets": {k: len(v) for k, v in prompt_sets.items()},
                                      "max_new_tokens": max_new_tokens, "temperatures": temperatures, "seed": seed,
-                                     "confidence_threshold": confidence_threshold, "drafters": drafter_specs}}
+                                     "confidence_threshold": confidence_threshold, "drafters": drafter_specs,
+                                     "machine": {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(),
+                                                 "dtype": dtype_key(target.model)}}}
 
 
 def _run_record(name, ds, temp, a: RunAccumulator, ar: RunAccumulator, drafter) -> dict:
@@ -185,6 +203,17 @@ def _run_record(name, ds, temp, a: RunAccumulator, ar: RunAccumulator, drafter) 
     }
 
 
+def _peer_record(name, ds, temp, a: RunAccumulator, ar: RunAccumulator) -> dict:
+    return {"engine": name, "dataset": ds, "temperature": temp, "prompts": a.prompts, "decode_tok_s": a.tok_s,
+            "ar_decode_tok_s": ar.tok_s, "speedup": a.tok_s / ar.tok_s if ar.tok_s else 0.0}
+
+
+def _peer_macro(name, temp, rows: list[dict]) -> dict:
+    mean = lambda key: statistics.fmean(r[key] for r in rows)  # noqa: E731
+    return {"engine": name, "dataset": "macro", "temperature": temp, "prompts": sum(r["prompts"] for r in rows),
+            "decode_tok_s": mean("decode_tok_s"), "ar_decode_tok_s": mean("ar_decode_tok_s"), "speedup": mean("speedup")}
+
+
 def _macro(name, temp, rows: list[dict]) -> dict:
     mean = lambda key: statistics.fmean(r[key] for r in rows)  # noqa: E731
     positions = max(len(r["cond_accept"]) for r in rows)
@@ -212,7 +241,8 @@ def write_report(results: dict, out: Path) -> None:
     lines = ["# dspark eval", "",
              f"Datasets {cfg['datasets']} (prompts each), {cfg['max_new_tokens']} new tokens, seed {cfg['seed']}, "
              f"confidence threshold {cfg['confidence_threshold']}. Every drafter and plain AR ran the same prompts "
-             "in rotating order; speedup = decode tok/s over AR's on the same prompts in the same run.", ""]
+             "in rotating order; speedup = decode tok/s over AR's on the same prompts in the same run.",
+             _machine_line(cfg.get("machine")), ""]
     for temp in cfg["temperatures"]:
         lines += [f"## T = {temp}", "",
                   "| drafter | dataset | τ | verify eff. | decode tok/s | AR tok/s | speedup "
@@ -235,10 +265,48 @@ def write_report(results: dict, out: Path) -> None:
                 lines.append(f"| {r['drafter']} | " + " | ".join("–" if v is None else f"{v:.2f}"
                                                                for v in r["cond_accept"]) + " |")
         lines.append("")
+        lines += _peer_lines(results, temp)
     (out / "report.md").write_text("\n".join(lines) + "\n")
     from dspark.eval.plots import plot_eval
 
     plot_eval(results, out)
+
+
+def _machine_line(machine: dict | None) -> str:
+    if not machine:
+        return ""
+    return (f"Machine: {machine['threads']} threads, CPU flags {' '.join(machine['cpu_flags']) or 'none of note'}, "
+            f"target dtype {machine['dtype']}.")
+
+
+def _peer_lines(results: dict, temp: float) -> list[str]:
+    """Other engines' plain decoding on the same prompts, and each drafter's speed over theirs."""
+    peers = [r for r in results.get("peers", []) if r["temperature"] == temp]
+    if not peers:
+        return []
+    lines = ["Other engines, plain decoding (same prompts, same rotation):", "",
+             "| engine | dataset | decode tok/s | dspark AR tok/s | over dspark AR |", "|---|---|---|---|---|"]
+    for r in peers:
+        name = f"**{r['dataset']}**" if r["dataset"] == "macro" else r["dataset"]
+        lines.append(f"| {r['engine']} | {name} | {r['decode_tok_s']:.1f} | {r['ar_decode_tok_s']:.1f} "
+                     f"| {r['speedup']:.2f}x |")
+    rows = {(r["drafter"], r["dataset"]): r for r in results["runs"] if r["temperature"] == temp}
+    drafters = [r["drafter"] for r in results["runs"] if r["temperature"] == temp and r["dataset"] == "macro"]
+    engines = [r["engine"] for r in peers if r["dataset"] == "macro"]
+    lines += ["", "Decode tok/s over the other engine's, mean over the datasets:", "",
+              "| | " + " | ".join(f"over {e}" for e in engines) + " |", "|---|" + "---|" * len(engines),
+              "| dspark AR | " + " | ".join(f"{_mean_ratio(peers, e, lambda r: r['ar_decode_tok_s']):.2f}x"
+                                           for e in engines) + " |"]
+    for d in drafters:
+        speed = lambda r, d=d: rows[(d, r["dataset"])]["decode_tok_s"]  # noqa: E731
+        lines.append(f"| {d} | " + " | ".join(f"{_mean_ratio(peers, e, speed):.2f}x" for e in engines) + " |")
+    return lines + [""]
+
+
+def _mean_ratio(peers: list[dict], engine: str, speed) -> float:
+    per_ds = [speed(r) / r["decode_tok_s"] for r in peers if r["engine"] == engine and r["dataset"] != "macro"
+              and r["decode_tok_s"]]
+    return statistics.fmean(per_ds) if per_ds else 0.0
 
 
 def _calibration_cells(calibration: dict | None) -> str:
