@@ -29,7 +29,7 @@ import llama_cpp
 import torch
 
 from dspark.decode.generate import Decoder
-from dspark.eval.llama_cpp import bf16_gguf
+from dspark.eval.llama_cpp import LlamaCppDecoder, bf16_gguf
 from dspark.schedule.rules import load_speculation
 from dspark.target.loading import default_dtype, embedded_gguf_path, load_target
 from dspark.util.platform import cpu_flags
@@ -48,20 +48,12 @@ class LlamaCpp:
     forwards cannot be timed."""
 
     def __init__(self, path: Path, one_token_batches: bool = False):
-        batch = 1 if one_token_batches else 512
-        self.one_token_batches = one_token_batches
-        self.llm = llama_cpp.Llama(str(path), n_threads=2, n_threads_batch=2, n_ctx=1024, n_batch=batch,
-                                   n_ubatch=batch, verbose=False)
+        self.decoder = LlamaCppDecoder(path, threads=2, n_ctx=1024, one_token_batches=one_token_batches)
+        self.one_token_batches, self.llm = one_token_batches, self.decoder.llm
 
     def decode_tok_s(self, ids: list[int], new_tokens: int) -> tuple[float, list[int]]:
-        out, t_first = [], None
-        for tok in self.llm.generate(ids, top_k=1, temp=0.0, reset=True):
-            if t_first is None:
-                t_first = time.perf_counter()  # the first token comes after prefill
-            out.append(tok)
-            if len(out) == new_tokens or tok == self.llm.token_eos():
-                break
-        return (len(out) - 1) / (time.perf_counter() - t_first), out
+        r = self.decoder.generate(ids, new_tokens)
+        return r.stats.decode_tok_s, r.token_ids
 
     def start_context(self, context: int = CONTEXT) -> None:
         self.context = context

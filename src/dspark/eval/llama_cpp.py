@@ -61,7 +61,7 @@ class LlamaCppDecoder:
     multi-token batch of the Q4_1 SmolLM2 on an AMX CPU. Only prefill is affected, which decode
     tok/s leaves out."""
 
-    def __init__(self, path: str | Path, threads: int, n_ctx: int = 2048):
+    def __init__(self, path: str | Path, threads: int, n_ctx: int = 2048, one_token_batches: bool | None = None):
         llama_cpp = _llama_cpp()
         path = Path(path)
         if not path.is_file():
@@ -69,7 +69,7 @@ class LlamaCppDecoder:
         probe = llama_cpp.Llama(str(path), n_ctx=16, vocab_only=True, verbose=False)
         file_type = FILE_TYPES.get(int(probe.metadata.get("general.file_type", -1)), path.stem)
         del probe
-        self.one_token_batches = file_type not in FULL_PRECISION
+        self.one_token_batches = file_type not in FULL_PRECISION if one_token_batches is None else one_token_batches
         batch = 1 if self.one_token_batches else 512
         self.path, self.name = path, f"llama.cpp {file_type}"
         self.llm = llama_cpp.Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
