@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -59,9 +60,11 @@ def draft_pass_latency(target, drafters: dict, reps: int, context: int = 256) ->
     and of a 1- and 9-token target forward, all round-robin after a `context`-token prompt.
 
     Every draft pass is timed right after an (untimed) 9-token target forward, the state a decode
-    loop drafts in: the target's weights have just streamed through the caches. (Timed back to back
-    instead, the pass that happened to follow the target forward in the cyclic order measured ~20%
-    slower than the others, which looked like a first-built-drafter effect.)"""
+    loop drafts in: the target's weights have just streamed through the caches. The jobs run in a
+    fresh shuffled order each round: what ran before a pass matters even so (a pass after another
+    drafter's pass finds the shared Python and dispatcher paths warm, one after two target forwards
+    does not), and a fixed cyclic order gave the same drafter the same predecessor every round, which
+    looked like a first-built-drafter effect of up to ~20%."""
     m = target.model
     ctx = list(range(1000, 1000 + context))
     taps = None
@@ -86,8 +89,8 @@ def draft_pass_latency(target, drafters: dict, reps: int, context: int = 256) ->
     verify_first = {n for n in jobs if n.startswith("draft")}
     times = {n: [] for n in jobs}
     names = list(jobs)
-    for rep in range(reps + 2):  # round-robin in a rotated order (what runs first meets cold caches); 2 warm-ups
-        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+    for rep in range(reps + 2):  # every round in its own shuffled order (see above); 2 warm-ups
+        for name in random.Random(rep).sample(names, len(names)):
             if name in verify_first:
                 target_forward(9)
             t0 = time.perf_counter()

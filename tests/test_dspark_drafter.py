@@ -108,3 +108,14 @@ def test_first_two_tokens_follow_the_target_distribution_at_t1(tmp_path):
     tv, accept = first_two_tokens_tv(tmp_path, lambda t: make_random_dspark(t, "vanilla", block_size=3, rank=4, std=0.5))
     assert 0.1 < accept < 0.9, accept  # drafts accepted and rejected: both paths exercised
     assert tv < 0.01, f"total variation {tv:.4f}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inference_rope_table_equals_the_computed_values(tiny_loaded, dtype):
+    model = make_random_dspark(tiny_loaded[0][1], "vanilla").model.to(dtype)
+    for pos in (torch.tensor([[3, 4, 5]]), torch.tensor([[250, 251], [900, 901]]), torch.tensor([[0, 17, 4000]])):
+        with torch.inference_mode():  # the table grows past 256, then 1024 positions
+            looked_up = model.rope(pos)
+        for a, b in zip(looked_up, model.rope(pos)):  # outside inference mode: computed
+            assert a.dtype == dtype and a.shape == (pos.shape[0], 1, pos.shape[1], a.shape[-1])
+            assert torch.equal(a, b)

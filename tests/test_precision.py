@@ -6,10 +6,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
 from dspark.errors import DsparkError
-from dspark.target.kernels import Int4
+from dspark.target.kernels import FastLinear, Int4, fast_linears
 from dspark.target.loading import load_target
 from dspark.target.quant import dequantise_int4, int4_kernel, int4_parts, q8_0_parts
 
@@ -99,3 +100,23 @@ def test_q4_needs_a_gguf_file(tiny_targets):
         load_target(model_dir, dtype="q4", require_tokenizer=False)
     with pytest.raises(DsparkError, match="unknown dtype 'int3'"):
         load_target(model_dir, dtype="int3", require_tokenizer=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_linear_follows_its_weights_and_trains_like_linear(dtype):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48, bias=True).to(dtype)
+    fast = fast_linears(torch.nn.Sequential(layer))[0]
+    assert isinstance(fast, FastLinear) and fast_linears(torch.nn.Sequential(fast))[0] is fast
+    x = torch.randn(8, 64, dtype=dtype)
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x), F.linear(x, layer.weight, layer.bias), **tol)
+    # a load_state_dict after the kernel was built: the next inference pass uses the new weights
+    new = {"weight": torch.randn(48, 64, dtype=dtype), "bias": torch.randn(48, dtype=dtype)}
+    fast.load_state_dict(new)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x), F.linear(x, new["weight"], new["bias"]), **tol)
+    # outside inference mode it is F.linear, gradients included
+    fast(x).sum().backward()
+    assert fast.weight.grad is not None and torch.equal(fast.weight.grad, x.sum(0).expand(48, -1).to(dtype))

@@ -11,15 +11,16 @@ import torch
 
 from dspark.decode.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
 from dspark.draft.base import BatchDrafter, DraftBlock
-from dspark.draft.dspark import DSparkModel
+from dspark.draft.dspark import DSparkModel, markov_w2t
 from dspark.draft.vocab import DraftHead
+from dspark.target.kernels import fast_linears
 
 
 class BatchedDSparkDrafter(BatchDrafter):
     """`slots` rows of context K/V, each up to `max_len` positions; `temperatures`: STS calibration."""
 
     def __init__(self, model: DSparkModel, target, slots: int, max_len: int, temperatures: list[float] | None = None):
-        self.model = model.eval()
+        self.model = fast_linears(model).eval()  # prepacked projections
         self.target = target
         self.cfg = model.cfg
         self.block_size = self.max_drafts = model.cfg.block_size
@@ -33,7 +34,7 @@ class BatchedDSparkDrafter(BatchDrafter):
         self.max_len = max_len
         self.temperatures = temperatures
         head = model.markov_head
-        self._w2t = head.markov_w2.weight.t().contiguous() if head is not None else None
+        self._w2t = markov_w2t(head) if head is not None else None
         self.vocab_head = DraftHead(model.draft_ids, target)  # LM head over the draft vocabulary
 
     def start(self, row, prompt_ids, taps) -> None:
@@ -98,7 +99,7 @@ class BatchedDSparkDrafter(BatchDrafter):
             if head is not None:
                 e = head.markov_w1.weight[prev]
                 u, state = head.step(h[:, k], e, state)
-                logits = (u @ self._w2t).float().add_(logits)
+                logits = (u.to(self._w2t.dtype) @ self._w2t).float().add_(logits)
                 embeds.append(e)
             if greedy:
                 tokens[greedy, k] = torch.tensor(argmax_rows(logits[greedy]))

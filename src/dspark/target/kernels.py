@@ -9,12 +9,15 @@ Which kernel a weight gets is decided once, at load, from the precision mode and
   * `Int4`: group-wise int4 weights (`_weight_int4pack_mm_for_cpu`): the GGUF's Q4_0 / Q4_1 blocks,
     and its Q8_0 LM head as two nibbles (PyTorch's `_weight_int8pack_mm` has per-row scales only, so
     it cannot hold Q8_0's per-block ones, and measured 2.5 ms against 2.2 ms cold for that head).
+
+`FastLinear` gives an `nn.Linear` of a drafter the same choice for its inference passes.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from dspark.util.platform import cpu_flags
 
@@ -78,3 +81,39 @@ class Int4:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_zeros)
         out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
+
+
+class FastLinear(nn.Module):
+    """An `nn.Linear` (the same parameters, so the same state dict) whose forward under
+    `torch.inference_mode` runs `dense_kernel` of its weight; otherwise it is plain `F.linear`, so
+    training through it is unchanged. The kernel is rebuilt when the weight or bias is replaced or
+    changed in place (a `.to(dtype)`, a `load_state_dict`).
+
+    Drafters pass 8 rows through each projection right after the target's forward has evicted their
+    weights from the caches: a prepacked bf16 weight took 0.12-0.36 ms there against 0.6-0.8 ms for
+    `F.linear` (benchmarks/results/README.md, issue 20)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self._kernel, self._built_for = None, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_inference_mode_enabled():
+            return F.linear(x, self.weight, self.bias)
+        state = tuple((t.data_ptr(), t._version, t.dtype) for t in (self.weight, self.bias) if t is not None)
+        if state != self._built_for:
+            bias = None if self.bias is None else self.bias.detach()
+            self._kernel, self._built_for = dense_kernel(self.weight.detach(), bias), state
+        return self._kernel(x)
+
+
+def fast_linears(module: nn.Module) -> nn.Module:
+    """Make every `nn.Linear` inside `module` a `FastLinear`, in place (idempotent); returns `module`."""
+    for name, child in module.named_children():
+        if type(child) is nn.Linear:
+            setattr(module, name, FastLinear(child))
+        else:
+            fast_linears(child)
+    return module
