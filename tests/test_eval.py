@@ -142,6 +142,9 @@ def test_eval_runs_llama_cpp_on_the_same_prompts_beside_dspark(smollm2_fp32, tmp
     assert "| llama.cpp Q4_1 | mini |" in report and "| prompt-lookup | " in report.split("over llama.cpp Q4_1")[-1]
     with pytest.raises(DsparkError, match="expected a .gguf file"):
         llama_cpp_path(str(tmp_path / "missing.gguf"))
+    (tmp_path / "bad.gguf").write_bytes(b"not a GGUF file")
+    with pytest.raises(DsparkError, match="cannot read .*bad.gguf as GGUF"):
+        LlamaCppDecoder(tmp_path / "bad.gguf", threads=1)
 
 
 def test_eval_journal_resumes_after_a_kill_and_refuses_other_settings(smollm2_fp32, tmp_path):

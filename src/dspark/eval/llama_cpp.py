@@ -54,6 +54,18 @@ def llama_cpp_path(spec: str) -> Path:
     return path
 
 
+def _gguf_file_type(path: Path) -> int | None:
+    """llama.cpp's `general.file_type` of a GGUF file (read by `gguf`: a llama.cpp probe would print
+    context warnings)."""
+    import gguf
+
+    try:
+        field = gguf.GGUFReader(str(path)).fields.get("general.file_type")
+    except Exception as e:  # corrupt or not GGUF at all
+        raise DsparkError(f"cannot read {path} as GGUF: {e}; --llama-cpp takes a .gguf model file") from None
+    return None if field is None else int(field.contents())
+
+
 class LlamaCppDecoder:
     """Plain decoding by llama.cpp, with `Decoder.generate`'s signature and result (no rounds).
 
@@ -66,9 +78,7 @@ class LlamaCppDecoder:
         path = Path(path)
         if not path.is_file():
             raise DsparkError(f"llama.cpp model {path} does not exist")
-        probe = llama_cpp.Llama(str(path), n_ctx=16, vocab_only=True, verbose=False)
-        file_type = FILE_TYPES.get(int(probe.metadata.get("general.file_type", -1)), path.stem)
-        del probe
+        file_type = FILE_TYPES.get(_gguf_file_type(path), path.stem)
         self.one_token_batches = file_type not in FULL_PRECISION if one_token_batches is None else one_token_batches
         batch = 1 if self.one_token_batches else 512
         self.path, self.name = path, f"llama.cpp {file_type}"

@@ -4,6 +4,7 @@ calibration and wall-clock speed (DESIGN.md §5)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -208,14 +209,18 @@ def _peer_record(name, ds, temp, a: RunAccumulator, ar: RunAccumulator) -> dict:
             "ar_decode_tok_s": ar.tok_s, "speedup": a.tok_s / ar.tok_s if ar.tok_s else 0.0}
 
 
+def _column_mean(rows: list[dict], key: str) -> float:
+    return statistics.fmean(r[key] for r in rows)
+
+
 def _peer_macro(name, temp, rows: list[dict]) -> dict:
-    mean = lambda key: statistics.fmean(r[key] for r in rows)  # noqa: E731
+    mean = functools.partial(_column_mean, rows)
     return {"engine": name, "dataset": "macro", "temperature": temp, "prompts": sum(r["prompts"] for r in rows),
             "decode_tok_s": mean("decode_tok_s"), "ar_decode_tok_s": mean("ar_decode_tok_s"), "speedup": mean("speedup")}
 
 
 def _macro(name, temp, rows: list[dict]) -> dict:
-    mean = lambda key: statistics.fmean(r[key] for r in rows)  # noqa: E731
+    mean = functools.partial(_column_mean, rows)
     positions = max(len(r["cond_accept"]) for r in rows)
     cond = []
     for k in range(positions):
