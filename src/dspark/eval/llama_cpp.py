@@ -57,12 +57,9 @@ def llama_cpp_path(spec: str) -> Path:
 def _gguf_file_type(path: Path) -> int | None:
     """llama.cpp's `general.file_type` of a GGUF file (read by `gguf`: a llama.cpp probe would print
     context warnings)."""
-    import gguf
+    from dspark.target.loading import read_gguf
 
-    try:
-        field = gguf.GGUFReader(str(path)).fields.get("general.file_type")
-    except Exception as e:  # corrupt or not GGUF at all
-        raise DsparkError(f"cannot read {path} as GGUF: {e}; --llama-cpp takes a .gguf model file") from None
+    field = read_gguf(path, "; --llama-cpp takes a .gguf model file").fields.get("general.file_type")
     return None if field is None else int(field.contents())
 
 

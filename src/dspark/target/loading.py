@@ -129,18 +129,24 @@ _GGUF_LAYER_NAMES = {
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+def read_gguf(path: Path, hint: str = ""):
+    """A `gguf.GGUFReader` of `path`, or a clear error for a corrupt or non-GGUF file (`hint`: how to fix)."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # corrupt or not GGUF at all
+        raise DsparkError(f"cannot read {path} as GGUF: {e}{hint}") from None
+
+
 def gguf_to_hf_dir(gguf_path: Path) -> Path:
     """The GGUF file dequantised to fp32 safetensors + config + tokenizer, once, under the cache."""
     out = cache_root() / "models" / f"{gguf_path.stem}-{_gguf_fingerprint(gguf_path)}"
     if (out / "model.safetensors").is_file():
         return out
-    import gguf
     from transformers import AutoTokenizer
 
-    try:
-        reader = gguf.GGUFReader(str(gguf_path))
-    except Exception as e:  # corrupt or not GGUF at all
-        raise DsparkError(f"cannot read {gguf_path} as GGUF: {e}") from None
+    reader = read_gguf(gguf_path)
     cfg = _gguf_config(reader)
     sd = _gguf_state_dict(reader, gguf_path, cfg)
     with atomic_directory(out) as tmp:
