@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
 from dspark.errors import DsparkError
-from dspark.target.kernels import FastLinear, Int4, fast_linears
+from dspark.target.kernels import FastLinear, Int4, StackedKernel, fast_linears
 from dspark.target.loading import load_target
 from dspark.target.quant import dequantise_int4, int4_kernel, int4_parts, q8_0_parts
 
@@ -120,3 +120,34 @@ def test_fast_linear_follows_its_weights_and_trains_like_linear(dtype):
     # outside inference mode it is F.linear, gradients included
     fast(x).sum().backward()
     assert fast.weight.grad is not None and torch.equal(fast.weight.grad, x.sum(0).expand(48, -1).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_kernel_is_the_separate_products_and_trains_like_them(dtype):
+    """q / k / v as one product (a bias on some of them only): the same outputs as the linears one by
+    one, in inference mode after any weight change too, and the same gradients outside it."""
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(64, n, bias=b).to(dtype) for n, b in ((48, True), (16, False), (16, True))]
+    stacked = StackedKernel()
+    x = torch.randn(8, 64, dtype=dtype)
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+
+    def separate():
+        return torch.cat([lin(x) for lin in linears], dim=-1)
+
+    with torch.inference_mode():
+        torch.testing.assert_close(stacked(x, *linears), separate(), **tol)
+    linears[1].load_state_dict({"weight": torch.randn(16, 64, dtype=dtype)})  # after the kernel was built
+    with torch.no_grad():
+        linears[2].bias.add_(1.0)
+    with torch.inference_mode():
+        torch.testing.assert_close(stacked(x, *linears), separate(), **tol)
+    w = torch.randn(80, dtype=dtype)
+    (stacked(x, *linears) * w).sum().backward()
+    got = [p.grad.clone() for lin in linears for p in lin.parameters()]
+    for lin in linears:
+        lin.zero_grad()
+    (separate() * w).sum().backward()
+    want = [p.grad for lin in linears for p in lin.parameters()]
+    for g, h in zip(got, want):
+        torch.testing.assert_close(g, h, **tol)

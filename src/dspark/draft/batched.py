@@ -11,7 +11,7 @@ import torch
 
 from dspark.decode.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
 from dspark.draft.base import BatchDrafter, DraftBlock
-from dspark.draft.dspark import DSparkModel, markov_w2t
+from dspark.draft.dspark import DSparkModel, markov_logits, markov_w2t
 from dspark.draft.vocab import DraftHead
 from dspark.target.kernels import fast_linears
 
@@ -99,7 +99,7 @@ class BatchedDSparkDrafter(BatchDrafter):
             if head is not None:
                 e = head.markov_w1.weight[prev]
                 u, state = head.step(h[:, k], e, state)
-                logits = (u.to(self._w2t.dtype) @ self._w2t).float().add_(logits)
+                logits = markov_logits(logits, u, self._w2t)
                 embeds.append(e)
             if greedy:
                 tokens[greedy, k] = torch.tensor(argmax_rows(logits[greedy]))

@@ -25,7 +25,7 @@ from dspark.draft.config import DraftConfig
 from dspark.draft.heads import ConfidenceHead, SequentialHead
 from dspark.errors import DsparkError
 from dspark.target.config import TargetConfig
-from dspark.target.kernels import fast_linears
+from dspark.target.kernels import StackedKernel, fast_linears
 from dspark.target.model import apply_rope, rms_norm, rope_inv_freq
 
 
@@ -36,6 +36,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_inference_mode_enabled():  # one call instead of ~8; in bf16 within an ulp of the HF form
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -43,7 +45,7 @@ class DraftAttention(nn.Module):
     """Target-shaped attention whose keys/values cover [context ; block tokens].
 
     `in_features` is the width of its input: the hidden size, or 2x for EAGLE-3's
-    [embedding ; feature] input."""
+    [embedding ; feature] input. q, k and v (k and v for context features) run as one product."""
 
     def __init__(self, cfg: DraftConfig, in_features: int | None = None):
         super().__init__()
@@ -59,30 +61,48 @@ class DraftAttention(nn.Module):
             self.k_norm = RMSNorm(self.hd, t.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self._qkv, self._kv = StackedKernel(), StackedKernel()
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(*x.shape[:-1], n, self.hd).transpose(-2, -3)  # [B, n, q, hd]
 
-    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = self._heads(self.q_proj(x), self.nh)
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, q, d_in] -> RoPE'd queries [B, nh, q, hd], RoPE'd keys and values [B, nkv, q, hd]."""
+        nh, nkv = self.nh, self.nkv
+        qk, v = self._heads(self._qkv(x, self.q_proj, self.k_proj, self.v_proj), nh + 2 * nkv).split((nh + nkv, nkv), 1)
         if self.q_norm is not None:
-            q = self.q_norm(q)
-        return apply_rope(q, cos, sin)
+            qk = torch.cat([self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])], dim=1)
+        q, k = apply_rope(qk, cos, sin).split((nh, nkv), dim=1)
+        return q, k, v
 
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, q, d_in] -> RoPE'd keys and values [B, nkv, q, hd]."""
-        k = self._heads(self.k_proj(x), self.nkv)
+        k, v = self._heads(self._kv(x, self.k_proj, self.v_proj), 2 * self.nkv).chunk(2, dim=1)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        return apply_rope(k, cos, sin), self._heads(self.v_proj(x), self.nkv)
+        return apply_rope(k, cos, sin), v
 
     def attend(self, q, k, v, mask) -> torch.Tensor:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nkv != self.nh)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
-        k, v = self.keys_values(x, cos, sin)
-        return self.attend(self.queries(x, cos, sin), torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)
+    def forward(self, x, cos, sin, ctx_kv, mask) -> torch.Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        return self.attend(q, *append_block(ctx_kv, k, v), mask)
+
+
+def append_block(ctx_kv: tuple, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of [context ; block] from the block's k, v [B, nkv, q, hd] and `ctx_kv`: either
+    (k, v) of the context [B, nkv, n, hd], copied together with the block's, or (k_buffer, v_buffer, n),
+    buffers whose first n positions hold the context and whose capacity covers the block: the block is
+    written at n..n+q-1 (scratch past the committed context) and no context is copied."""
+    if len(ctx_kv) == 2:
+        return torch.cat([ctx_kv[0], k], dim=2), torch.cat([ctx_kv[1], v], dim=2)
+    k_buf, v_buf, n = ctx_kv
+    end = n + k.shape[2]
+    k_buf[:, :, n:end] = k
+    v_buf[:, :, n:end] = v
+    return k_buf[:, :, :end], v_buf[:, :, :end]
 
 
 class DraftMLP(nn.Module):
@@ -91,9 +111,11 @@ class DraftMLP(nn.Module):
         self.gate_proj = nn.Linear(t.hidden_size, t.intermediate_size, bias=False)
         self.up_proj = nn.Linear(t.hidden_size, t.intermediate_size, bias=False)
         self.down_proj = nn.Linear(t.intermediate_size, t.hidden_size, bias=False)
+        self._gate_up = StackedKernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self._gate_up(x, self.gate_proj, self.up_proj).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DraftLayer(nn.Module):
@@ -105,8 +127,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+    def forward(self, x, cos, sin, ctx_kv, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_kv, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -214,10 +236,11 @@ class DSparkModel(DraftModelBase):
         return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
 
     def block_hidden(self, x: torch.Tensor, pos: torch.Tensor, ctx_kv, mask: torch.Tensor | None) -> torch.Tensor:
-        """Embedded block tokens x [B, q, H] at positions pos [B, q] -> final hidden states h [B, q, H]."""
+        """Embedded block tokens x [B, q, H] at positions pos [B, q] -> final hidden states h [B, q, H].
+        `ctx_kv`: per draft layer, its context keys and values (see `append_block`)."""
         cos, sin = self.rope(pos)
-        for layer, (ck, cv) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, ck, cv, mask)
+        for layer, layer_kv in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, layer_kv, mask)
         return self.norm(x)
 
     def apply_heads(
@@ -286,6 +309,11 @@ def markov_w2t(head: SequentialHead) -> torch.Tensor:
     return head.markov_w2.weight.detach().t().float().contiguous()
 
 
+def markov_logits(base: torch.Tensor, u: torch.Tensor, w2t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A slot's logits U + W2·u in fp32, one call: base [n, K] fp32, u [n, r], w2t from `markov_w2t`."""
+    return torch.addmm(base, u if u.dtype == torch.float32 else u.float(), w2t, out=out)
+
+
 class ModelDrafter(Drafter):
     """A Drafter backed by a drafter model sharing the target's embedding and LM head."""
 
@@ -306,7 +334,8 @@ class DSparkDrafter(ModelDrafter):
 
     def __init__(self, model: DSparkModel, target, num_draft_tokens: int | None = None):
         super().__init__(model, target, num_draft_tokens)
-        self._w2t: torch.Tensor | None = None
+        self._w2t: torch.Tensor | None = None  # inference copies of the Markov head's W2ᵀ and W1 (`run_heads`)
+        self._w1: torch.Tensor | None = None
         self.begin([])
 
     def begin(self, prompt_ids: list[int]) -> None:
@@ -316,17 +345,23 @@ class DSparkDrafter(ModelDrafter):
         self._kv = [[m.inv_freq.new_empty(shape, dtype=m.dtype) for _ in "kv"] for _ in m.layers]
         self.length = 0  # committed context positions held in the cache
 
+    def _reserve(self, end: int) -> None:
+        """Buffers for at least `end` positions (grown geometrically, the committed ones kept)."""
+        for buf in self._kv:
+            for i, t in enumerate(buf):
+                if end > t.shape[2]:
+                    grown = t.new_empty(*t.shape[:2], max(2 * end, 64), t.shape[3])
+                    grown[:, :, : self.length] = t[:, :, : self.length]
+                    buf[i] = grown
+
     @torch.inference_mode()
     def observe(self, tokens: list[int], taps: torch.Tensor | None) -> None:
         end = self.length + taps.shape[0]
         pos = torch.arange(self.length, end, device=taps.device)[None]
         new = self.model.context_kv(self.model.context(taps[None]), pos)
+        self._reserve(end)
         for buf, kv in zip(self._kv, new):
             for i, t in enumerate(kv):
-                if end > buf[i].shape[2]:  # grow geometrically
-                    grown = t.new_empty(*t.shape[:2], max(2 * end, 64), t.shape[3])
-                    grown[:, :, : self.length] = buf[i][:, :, : self.length]
-                    buf[i] = grown
                 buf[i][:, :, self.length : end] = t
         self.length = end
 
@@ -340,7 +375,8 @@ class DSparkDrafter(ModelDrafter):
         dev = self.model.inv_freq.device
         ids = torch.tensor([[anchor] + [self.cfg.mask_token_id] * (g - 1)], device=dev)
         pos = torch.arange(n, n + g, device=dev)[None]
-        ctx_kv = [(k[:, :, :n], v[:, :, :n]) for k, v in self._kv]
+        self._reserve(n + g)  # the block's keys / values go after the context's (see `append_block`)
+        ctx_kv = [(k, v, n) for k, v in self._kv]
         h = self.model.block_hidden(self.target.model.embed(ids), pos, ctx_kv, None)[0, :num_slots]
         return h, self.vocab_head.logits(h)
 
@@ -359,19 +395,21 @@ class DSparkDrafter(ModelDrafter):
             return self.vocab_head.tokens(pick(base_logits)), base_logits, conf
         if self._w2t is None:
             self._w2t = markov_w2t(head)
-        w1 = head.markov_w1.weight
-        tokens, rows, embeds = [], [], []
-        prev, state = anchor, head.initial_state(h[0])
+            # the vanilla head's u is W1[prev] itself: an fp32 table spares a conversion per slot
+            self._w1 = head.markov_w1.weight.detach().float() if head.kind == "vanilla" else head.markov_w1.weight
+        logits = torch.empty_like(base_logits)  # filled slot by slot, in place
+        rows, base_rows = logits.split(1), base_logits.split(1)
+        tokens, embeds = [], []
+        prev, state = anchor, head.initial_state(h[:1])
         for k in range(h.shape[0]):
-            e = w1[prev]
-            u, state = head.step(h[k], e, state)
-            logits = (u[None].to(self._w2t.dtype) @ self._w2t).float().add_(base_logits[k : k + 1])
-            prev = self.vocab_head.tokens(pick(logits))[0]
+            e = self._w1[prev : prev + 1]
+            u, state = head.step(h[k : k + 1], e, state)
+            markov_logits(base_rows[k], u, self._w2t, out=rows[k])
+            prev = self.vocab_head.tokens(pick(rows[k]))[0]
             tokens.append(prev)
-            rows.append(logits)
             embeds.append(e)
-        conf = conf_head(h, torch.stack(embeds)) if conf_head is not None else None
-        return tokens, torch.cat(rows), conf
+        conf = conf_head(h, torch.cat(embeds)) if conf_head is not None else None
+        return tokens, logits, conf
 
     def propose(self, anchor: int, max_tokens: int, params: SamplingParams, generator: torch.Generator) -> DraftBlock:
         h, base = self.block_outputs(anchor, min(self.num_draft_tokens, max_tokens))

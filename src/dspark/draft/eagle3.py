@@ -62,8 +62,8 @@ class Eagle3Model(DraftModelBase):
         cos, sin = self.rope(pos)
         x = torch.cat([layer.input_layernorm(emb), self.hidden_norm(feat)], dim=-1)
         attn = layer.self_attn
-        k, v = attn.keys_values(x, cos, sin)
-        out = attn.attend(attn.queries(x, cos, sin), torch.cat([past_k, k], 2), torch.cat([past_v, v], 2), mask)
+        q, k, v = attn.qkv(x, cos, sin)
+        out = attn.attend(q, torch.cat([past_k, k], 2), torch.cat([past_v, v], 2), mask)
         h = feat + out
         return h + layer.mlp(layer.post_attention_layernorm(h)), k, v
 

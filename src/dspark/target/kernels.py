@@ -10,7 +10,8 @@ Which kernel a weight gets is decided once, at load, from the precision mode and
     and its Q8_0 LM head as two nibbles (PyTorch's `_weight_int8pack_mm` has per-row scales only, so
     it cannot hold Q8_0's per-block ones, and measured 2.5 ms against 2.2 ms cold for that head).
 
-`FastLinear` gives an `nn.Linear` of a drafter the same choice for its inference passes.
+`StackedKernel` gives a drafter's linears the same choice for its inference passes, several linears of
+one input as one product; `FastLinear` is an `nn.Linear` that runs through one.
 """
 
 from __future__ import annotations
@@ -83,11 +84,46 @@ class Int4:
         return out if self.bias is None else out + self.bias
 
 
+class StackedKernel:
+    """The product of one input with several linears' weights stacked along the output dim (q, k and v;
+    gate and up): one call where there were several, each ~14 us plus its Python and dispatch cost.
+
+    Under `torch.inference_mode` the stacked weight is one `dense_kernel` (prepacked on CPUs with
+    oneDNN), rebuilt when any weight or bias is replaced or changed in place (a `.to(dtype)`, a
+    `load_state_dict`, an optimiser step); otherwise it is `F.linear` of the concatenated weights, so
+    training sees the same product and gradients reach every linear."""
+
+    def __init__(self):
+        self._kernel, self._built_for = None, None
+
+    def __call__(self, x: torch.Tensor, *linears: nn.Module) -> torch.Tensor:
+        if not torch.is_inference_mode_enabled():
+            weight, bias = _stacked(linears)
+            return F.linear(x, weight, bias)
+        state = tuple((t.data_ptr(), t._version, t.dtype) for lin in linears for t in (lin.weight, lin.bias)
+                      if t is not None)
+        if state != self._built_for:
+            self._kernel, self._built_for = dense_kernel(*_stacked(linears, detach=True)), state
+        return self._kernel(x)
+
+
+def _stacked(linears, detach: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The linears' weights (and biases, zero where one has none) concatenated along the output dim."""
+    def get(t):
+        return t.detach() if detach else t
+
+    weights = [get(lin.weight) for lin in linears]
+    weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+    if all(lin.bias is None for lin in linears):
+        return weight, None
+    biases = [get(lin.bias) if lin.bias is not None else w.new_zeros(w.shape[0]) for lin, w in zip(linears, weights)]
+    return weight, biases[0] if len(biases) == 1 else torch.cat(biases)
+
+
 class FastLinear(nn.Module):
-    """An `nn.Linear` (the same parameters, so the same state dict) whose forward under
-    `torch.inference_mode` runs `dense_kernel` of its weight; otherwise it is plain `F.linear`, so
-    training through it is unchanged. The kernel is rebuilt when the weight or bias is replaced or
-    changed in place (a `.to(dtype)`, a `load_state_dict`).
+    """An `nn.Linear` (the same parameters, so the same state dict) whose forward is a one-linear
+    `StackedKernel`: `dense_kernel` of its weight under `torch.inference_mode`, plain `F.linear`
+    otherwise, so training through it is unchanged.
 
     Drafters pass 8 rows through each projection right after the target's forward has evicted their
     weights from the caches: a prepacked bf16 weight took 0.12-0.36 ms there against 0.6-0.8 ms for
@@ -97,16 +133,10 @@ class FastLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self._kernel, self._built_for = None, None
+        self._kernel = StackedKernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_inference_mode_enabled():
-            return F.linear(x, self.weight, self.bias)
-        state = tuple((t.data_ptr(), t._version, t.dtype) for t in (self.weight, self.bias) if t is not None)
-        if state != self._built_for:
-            bias = None if self.bias is None else self.bias.detach()
-            self._kernel, self._built_for = dense_kernel(self.weight.detach(), bias), state
-        return self._kernel(x)
+        return self._kernel(x, self)
 
 
 def fast_linears(module: nn.Module) -> nn.Module:
