@@ -309,7 +309,8 @@ def markov_w2t(head: SequentialHead) -> torch.Tensor:
     return head.markov_w2.weight.detach().t().float().contiguous()
 
 
-def markov_logits(base: torch.Tensor, u: torch.Tensor, w2t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def markov_logits(base: torch.Tensor, u: torch.Tensor, w2t: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """A slot's logits U + W2·u in fp32, one call: base [n, K] fp32, u [n, r], w2t from `markov_w2t`."""
     return torch.addmm(base, u if u.dtype == torch.float32 else u.float(), w2t, out=out)
 
