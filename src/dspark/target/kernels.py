@@ -103,20 +103,19 @@ class StackedKernel:
         state = tuple((t.data_ptr(), t._version, t.dtype) for lin in linears for t in (lin.weight, lin.bias)
                       if t is not None)
         if state != self._built_for:
-            self._kernel, self._built_for = dense_kernel(*_stacked(linears, detach=True)), state
+            weight, bias = _stacked(linears)
+            self._kernel = dense_kernel(weight.detach(), None if bias is None else bias.detach())
+            self._built_for = state
         return self._kernel(x)
 
 
-def _stacked(linears, detach: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _stacked(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The linears' weights (and biases, zero where one has none) concatenated along the output dim."""
-    def get(t):
-        return t.detach() if detach else t
-
-    weights = [get(lin.weight) for lin in linears]
+    weights = [lin.weight for lin in linears]
     weight = weights[0] if len(weights) == 1 else torch.cat(weights)
     if all(lin.bias is None for lin in linears):
         return weight, None
-    biases = [get(lin.bias) if lin.bias is not None else w.new_zeros(w.shape[0]) for lin, w in zip(linears, weights)]
+    biases = [lin.bias if lin.bias is not None else w.new_zeros(w.shape[0]) for lin, w in zip(linears, weights)]
     return weight, biases[0] if len(biases) == 1 else torch.cat(biases)
 
 
