@@ -107,6 +107,46 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_run, tmp_path):
     assert [r["loss"] for r in res_train] == [r["loss"] for r in ref_train]
 
 
+def test_sigterm_stops_a_joint_run_with_checkpoints_of_one_step_that_resume_exactly(tiny_run, tmp_path):
+    """SIGTERM mid-run (no periodic checkpoint due): both drafters checkpoint at the step that was running,
+    the command says how to continue, and --resume ends where an uninterrupted joint run ends."""
+    def tomls(tag):
+        return [_write_toml(_cfg(tiny_run, tmp_path / f"{tag}-{a}", algorithm=a, steps=40, checkpoint_every=1000,
+                                 eval_every=1000, draft_vocab_size=48), tmp_path / f"{tag}-{a}.toml")
+                for a in ("dspark", "eagle3")]
+
+    def train(paths, *extra):
+        return start_cli("train", *[x for p in paths for x in ("--config", str(p))], "--no-progress", *extra)
+
+    ref = train(tomls("ref"))
+    assert ref.wait(timeout=600) == 0, ref.stderr.read()
+    stopped = tomls("stopped")
+    proc = train(stopped)
+    log = tmp_path / "stopped-dspark" / "log.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if log.exists() and len(log.read_text().splitlines()) >= 4:  # the step-0 validation and 3 steps
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 130
+    err = proc.stderr.read()
+    assert "SIGTERM" in err and "--resume" in err, err
+    steps = {json.loads((tmp_path / f"stopped-{a}" / "checkpoint" / "state.json").read_text())["step"]
+             for a in ("dspark", "eagle3")}
+    assert len(steps) == 1 and 3 <= steps.pop() < 40
+    assert not (tmp_path / "stopped-dspark" / "final").exists()
+
+    res = train(stopped, "--resume")
+    assert res.wait(timeout=600) == 0, res.stderr.read()
+    for a in ("dspark", "eagle3"):
+        x = load_file(tmp_path / f"ref-{a}" / "final" / "model.safetensors")
+        y = load_file(tmp_path / f"stopped-{a}" / "final" / "model.safetensors")
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), a
+        assert [r["step"] for r in _log(tmp_path / f"stopped-{a}")[0]] == list(range(1, 41))
+
+
 def test_torchrun_two_processes_follow_the_single_process_trajectory(tiny_run, tmp_path):
     # fp32 (autocast off): the 1e-5 bound is for fp32 sums; `auto` would train in bf16 on CPUs with bf16 units
     cfg = _cfg(tiny_run, tmp_path / "one", steps=8, eval_every=100, checkpoint_every=100, autocast="off")

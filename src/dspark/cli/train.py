@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from dspark.cli.common import positive_int
 from dspark.util.files import check_writable
 
@@ -12,7 +14,8 @@ def add_parsers(sub) -> None:
         help="train a drafter by online distillation from the target",
         description="Train a DSpark (or DFlash / EAGLE-3) drafter by online knowledge distillation: the frozen "
         "target runs inside the loop on regenerated data. Checkpoints go to OUT/checkpoint (atomically); "
-        "--resume continues exactly where the last one left off. Runs under `torchrun --nproc_per_node N` "
+        "--resume continues exactly where the last one left off; Ctrl-C or SIGTERM stops after the current step "
+        "with a checkpoint (a second one at once). Runs under `torchrun --nproc_per_node N` "
         "with DistributedDataParallel. Writes OUT/log.jsonl, OUT/curves.png and OUT/final.",
     )
     tr.add_argument("--config", action="append", default=None,
@@ -51,6 +54,12 @@ def cmd_train(args) -> int:
 
         joint = JointTrainer(cfgs, resume=args.resume, progress=not args.no_progress)
         trainers, vals = joint.trainers, joint.run()
+    if trainers[0].stopped:
+        if trainers[0].rank == 0:
+            runs = ", ".join(str(t.out / "checkpoint") for t in trainers)
+            print(f"stopped at step {trainers[0].step} of {trainers[0].cfg.steps}; checkpoint in {runs}; "
+                  "continue with the same command and --resume", file=sys.stderr)
+        return 130
     if trainers[0].rank == 0:
         for trainer, val in zip(trainers, vals):
             tau = f", validation expected tau {val['expected_tau']:.3f}" if val else ""

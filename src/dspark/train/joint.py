@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from dspark.errors import DsparkError
 from dspark.train.config import TrainConfig
+from dspark.train.stopping import StopRequest
 from dspark.train.trainer import Trainer
 
 # what decides the batches, anchors and target outputs: drafters sharing a pass must agree on them
@@ -73,19 +74,26 @@ class JointTrainer:
         bar = tqdm(total=steps, initial=self.step, desc=f"training {len(self.trainers)} drafters", unit="step",
                    disable=not self.progress)
         last = [t.validate_and_log() if t.step == 0 else {} for t in self.trainers]
+        lead = self.trainers[0]
         try:
-            while self.step < steps:
-                for i, (t, rec) in enumerate(zip(self.trainers, self.train_step())):
-                    t.log(rec)
-                    last[i] = t.after_step() or last[i]
-                bar.update(1)
-                bar.set_postfix(tau=" ".join(f"{v.get('expected_tau', 0):.2f}" for v in last))
+            with StopRequest(lead.world, lead.device) as stop:
+                while self.step < steps:
+                    for i, (t, rec) in enumerate(zip(self.trainers, self.train_step())):
+                        t.log(rec)
+                        last[i] = t.after_step() or last[i]
+                    bar.update(1)
+                    bar.set_postfix(tau=" ".join(f"{v.get('expected_tau', 0):.2f}" for v in last))
+                    if self.step < steps and stop.agreed():
+                        for t in self.trainers:
+                            t.stop_here()
+                        break
         finally:
             bar.close()
             for t in self.trainers:
                 t.close_log()
-        for t in self.trainers:
-            t.finish()
+        if not lead.stopped:
+            for t in self.trainers:
+                t.finish()
         return last
 
 

@@ -45,6 +45,7 @@ from dspark.train.losses import (
     position_weights,
     step_weights,
 )
+from dspark.train.stopping import StopRequest
 from dspark.util.files import atomic_directory, atomic_write_text
 from dspark.util.journal import read_records
 from dspark.util.seeding import derived_generator
@@ -120,6 +121,7 @@ class Trainer:
             self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
         )
         self.step = 0
+        self.stopped = False  # by a stop request (SIGINT / SIGTERM), checkpointed, before `steps`
         self._perm_epoch: int | None = None  # data order of the current epoch, cached
         ckpt = self.out / "checkpoint"
         if resume:
@@ -516,16 +518,21 @@ class Trainer:
         bar = tqdm(total=self.cfg.steps, initial=self.step, desc="training", unit="step", disable=not self.progress)
         last_val = self.validate_and_log() if self.step == 0 else {}
         try:
-            while self.step < self.cfg.steps:
-                rec = self.train_step()
-                self.log(rec)
-                last_val = self.after_step() or last_val
-                bar.update(1)
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{last_val.get('expected_tau', 0):.2f}")
+            with StopRequest(self.world, self.device) as stop:
+                while self.step < self.cfg.steps:
+                    rec = self.train_step()
+                    self.log(rec)
+                    last_val = self.after_step() or last_val
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{last_val.get('expected_tau', 0):.2f}")
+                    if self.step < self.cfg.steps and stop.agreed():
+                        self.stop_here()
+                        break
         finally:
             bar.close()
             self.close_log()
-        self.finish()
+        if not self.stopped:
+            self.finish()
         return last_val
 
     # the loop's parts, shared with JointTrainer
@@ -558,6 +565,12 @@ class Trainer:
         if self.step % c.checkpoint_every == 0 or self.step == c.steps:
             self.save_checkpoint()
         return val
+
+    def stop_here(self) -> None:
+        """A stop request: checkpoint this step (unless `after_step` just did) and mark the run stopped."""
+        if self.step % self.cfg.checkpoint_every:
+            self.save_checkpoint()
+        self.stopped = True
 
     def validate_and_log(self) -> dict:
         val = self.validate() if self.rank == 0 else {}
