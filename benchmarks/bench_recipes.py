@@ -1,5 +1,5 @@
-"""Equal wall-clock distillation (issue 20 (c)): today's recipe (configs/dspark-smollm2.toml as
-trained on 2026-11-29: 16 anchors per sequence, the full vocabulary) against the new one (every anchor, a K-token draft
+"""Equal wall-clock distillation (issue 20 (c)): today's recipe (the shipped drafter's of 2026-11-29:
+smollm2.jsonl, 16 anchors per sequence, the full vocabulary) against the new one (every anchor, a K-token draft
 vocabulary), `--minutes` of training each on the same data, then the validation expected τ of
 both final drafters measured the same way (every anchor of the same validation replies).
 
@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def recipes(k: int) -> dict:
-    today = load_config(ROOT / "configs" / "dspark-smollm2.toml")
-    today = dataclasses.replace(today, data=str(ROOT / today.data), threads=2, eval_every=10**9,
-                                checkpoint_every=10**9, anchors_per_seq=16, draft_vocab_size=0)  # the recipe of 11-29
+    today = load_config(ROOT / "configs" / "dspark-smollm2.toml")  # its shape, losses and optimiser; the data of 11-29
+    today = dataclasses.replace(today, data=str(ROOT / "data" / "regen" / "smollm2.jsonl"), val_data="", threads=2,
+                                eval_every=10**9, checkpoint_every=10**9, anchors_per_seq=16, draft_vocab_size=0)
     return {"today": today, "new": dataclasses.replace(today, anchors_per_seq="all", draft_vocab_size=k)}
 
 
