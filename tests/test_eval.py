@@ -15,9 +15,10 @@ from dspark.errors import DsparkError
 from dspark.eval import metrics
 from dspark.eval.calibration import fit_sts
 from dspark.eval.llama_cpp import LlamaCppDecoder, llama_cpp_path
-from dspark.eval.runner import evaluate, write_report
+from dspark.eval.runner import _machine_line, evaluate, write_report
 from dspark.schedule.policies import ThresholdPolicy
 from dspark.target.loading import load_target
+from dspark.util.platform import cpu_flags
 
 
 def test_metrics_on_hand_made_rounds():
@@ -164,6 +165,16 @@ def test_eval_journal_resumes_after_a_kill_and_refuses_other_settings(smollm2_fp
     tau = lambda res: [(r["drafter"], r["dataset"], r["tau"], r["cond_accept"]) for r in res["runs"]]  # noqa: E731
     assert tau(resumed) == tau(first)  # greedy: the same rounds whether resumed or not
     assert run() == resumed and journal.read_text().splitlines(keepends=True) == again  # all from the journal
+    here = " ".join(cpu_flags())
+    assert resumed["config"]["machine"]["generations_by_cpu_flags"] == {here: 6}
+    other = [json.loads(line) for line in again]
+    for rec in other[1:3]:  # two generations measured in another session, on a CPU with other flags
+        rec["value"]["cpu_flags"] = "avx2 other-cpu"
+    journal.write_text("".join(json.dumps(r) + "\n" for r in other))
+    mixed = run()["config"]["machine"]
+    assert mixed["generations_by_cpu_flags"] == {here: 4, "avx2 other-cpu": 2}
+    assert "avx2 other-cpu: 2" in _machine_line(mixed)
+    journal.write_text("".join(again))
     with pytest.raises(DsparkError, match="other settings.*max_new_tokens"):
         run(n=13)
     journal.write_text(again[0][:10])  # killed while writing the settings line: starts over

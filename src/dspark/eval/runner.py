@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import json
 import statistics
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -73,7 +74,8 @@ def generation_record(result, keep_tokens: bool = False) -> dict:
     """What the report needs of one generation, as JSON (the journal's line); AR's keeps its tokens,
     against which draft vocabularies are measured."""
     record = {"decode_tokens": result.stats.new_tokens - 1, "decode_s": result.stats.decode_s,
-              "rounds": [[r.verified, r.accepted, r.confidence_logits] for r in result.rounds]}
+              "rounds": [[r.verified, r.accepted, r.confidence_logits] for r in result.rounds],
+              "cpu_flags": " ".join(cpu_flags())}  # a run resumed in another session may be on another CPU
     if keep_tokens:
         record["token_ids"] = result.token_ids
     return record
@@ -134,6 +136,7 @@ def evaluate(
     done = journal.done if journal else {}
     total = len(temperatures) * sum(len(p) for p in prompt_sets.values()) * len(engines)
     acc: dict[tuple[str, str, float], RunAccumulator] = {}
+    measured_on: Counter = Counter()  # generations by the CPU flags of the machine that ran them
     bar = tqdm(total=total, desc="evaluating", unit="gen", disable=not progress)
     names = list(engines)
     for temp in temperatures:
@@ -152,6 +155,7 @@ def evaluate(
                         if journal:
                             journal.add(key, record)
                     acc.setdefault((name, ds, temp), RunAccumulator()).add(record)
+                    measured_on[record.get("cpu_flags", "unrecorded")] += 1
                     bar.update(1)
     bar.close()
 
@@ -174,7 +178,8 @@ def evaluate(
                                      "max_new_tokens": max_new_tokens, "temperatures": temperatures, "seed": seed,
                                      "confidence_threshold": confidence_threshold, "drafters": drafter_specs,
                                      "machine": {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(),
-                                                 "dtype": dtype_key(target.model)}}}
+                                                 "dtype": dtype_key(target.model),
+                                                 "generations_by_cpu_flags": dict(measured_on)}}}
 
 
 def _run_record(name, ds, temp, a: RunAccumulator, ar: RunAccumulator, drafter) -> dict:
@@ -280,8 +285,13 @@ def write_report(results: dict, out: Path) -> None:
 def _machine_line(machine: dict | None) -> str:
     if not machine:
         return ""
-    return (f"Machine: {machine['threads']} threads, CPU flags {' '.join(machine['cpu_flags']) or 'none of note'}, "
+    line = (f"Machine: {machine['threads']} threads, CPU flags {' '.join(machine['cpu_flags']) or 'none of note'}, "
             f"target dtype {machine['dtype']}.")
+    by_flags = machine.get("generations_by_cpu_flags", {})
+    if len(by_flags) > 1:  # resumed across machines: the speed figures mix them (each prompt's engines share one)
+        line += " Generations by the CPU flags of the machine that ran them: " + "; ".join(
+            f"{flags or 'none of note'}: {n}" for flags, n in sorted(by_flags.items(), key=lambda kv: -kv[1])) + "."
+    return line
 
 
 def _peer_lines(results: dict, temp: float) -> list[str]:
