@@ -288,7 +288,7 @@ def _machine_line(machine: dict | None) -> str:
     line = (f"Machine: {machine['threads']} threads, CPU flags {' '.join(machine['cpu_flags']) or 'none of note'}, "
             f"target dtype {machine['dtype']}.")
     by_flags = machine.get("generations_by_cpu_flags", {})
-    if len(by_flags) > 1:  # resumed across machines: the speed figures mix them (each prompt's engines share one)
+    if len(by_flags) > 1:  # resumed across machines: the speed figures mix them
         line += " Generations by the CPU flags of the machine that ran them: " + "; ".join(
             f"{flags or 'none of note'}: {n}" for flags, n in sorted(by_flags.items(), key=lambda kv: -kv[1])) + "."
     return line
