@@ -147,6 +147,42 @@ def test_sigterm_stops_a_joint_run_with_checkpoints_of_one_step_that_resume_exac
         assert [r["step"] for r in _log(tmp_path / f"stopped-{a}")[0]] == list(range(1, 41))
 
 
+def test_a_bfloat16_checkpoint_is_half_the_size_and_resumes_on_the_uninterrupted_trajectory(tiny_run, tmp_path):
+    """checkpoint_dtype = bfloat16 stores weights and AdamW moments in bf16 (for runs committed to git);
+    resuming casts them back to fp32, so the run goes on within bf16 rounding of the uninterrupted one."""
+    kw = dict(steps=20, checkpoint_every=10, eval_every=100, autocast="off")
+    Trainer(_cfg(tiny_run, tmp_path / "ref", **kw), progress=False).run()
+    compact = _cfg(tiny_run, tmp_path / "half", checkpoint_dtype="bfloat16", **kw)
+    first = Trainer(compact, progress=False)
+    first.open_log()
+    while first.step < 10:
+        first.log(first.train_step())
+        first.after_step()
+    first.close_log()
+    ckpt = tmp_path / "half" / "checkpoint"
+    assert json.loads((ckpt / "state.json").read_text())["step"] == 10
+    for f in ("drafter/model.safetensors", "optimizer.safetensors"):
+        stored = load_file(ckpt / f)
+        assert {v.dtype for v in stored.values() if v.dim()} == {torch.bfloat16}, f
+        full = (tmp_path / "ref" / "checkpoint" / f).stat().st_size
+        assert (ckpt / f).stat().st_size < 0.55 * full, f
+    Trainer(compact, resume=True, progress=False).run()
+
+    a = load_file(tmp_path / "ref" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "half" / "final" / "model.safetensors")
+    for k in a:
+        rel = ((a[k].float() - b[k].float()).norm() / a[k].float().norm().clamp(min=1e-12)).item()
+        assert rel < 2e-2, (k, rel)
+    ref_train, _ = _log(tmp_path / "ref")
+    res_train, _ = _log(tmp_path / "half")
+    assert [r["step"] for r in res_train] == list(range(1, 21))
+    assert [r["loss"] for r in res_train[:10]] == [r["loss"] for r in ref_train[:10]]
+    for r, q in zip(res_train[10:], ref_train[10:]):
+        assert abs(r["loss"] - q["loss"]) < 2e-2 * abs(q["loss"]), (r["step"], r["loss"], q["loss"])
+    with pytest.raises(DsparkError, match="checkpoint_dtype must be one of float32, bfloat16"):
+        _cfg(tiny_run, tmp_path / "x", checkpoint_dtype="fp16").validate()
+
+
 def test_torchrun_two_processes_follow_the_single_process_trajectory(tiny_run, tmp_path):
     # fp32 (autocast off): the 1e-5 bound is for fp32 sums; `auto` would train in bf16 on CPUs with bf16 units
     cfg = _cfg(tiny_run, tmp_path / "one", steps=8, eval_every=100, checkpoint_every=100, autocast="off")

@@ -19,6 +19,8 @@ ALGORITHMS = ("dspark", "dflash", "eagle3")
 
 
 ALL_ANCHORS = "all"
+# how a training checkpoint stores the drafter's weights and the AdamW moments
+CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclasses.dataclass
@@ -65,6 +67,7 @@ class TrainConfig:
     ttt_decay: float = 0.8  # eagle3: step weights ttt_decay^k
     # bookkeeping
     checkpoint_every: int = 100
+    checkpoint_dtype: str = "float32"  # float32: resume is exact | bfloat16: weights and AdamW moments half the size
     eval_every: int = 100
     val_fraction: float = 0.02
     val_max_samples: int = 64
@@ -90,6 +93,9 @@ class TrainConfig:
             raise DsparkError("warmup_frac and val_fraction must be in [0, 1)")
         if self.draft_layer not in ("qwen3", "target"):
             raise DsparkError(f"draft_layer must be qwen3 or target, got {self.draft_layer!r}")
+        if self.checkpoint_dtype not in CHECKPOINT_DTYPES:
+            raise DsparkError(f"checkpoint_dtype must be one of {', '.join(CHECKPOINT_DTYPES)}, "
+                              f"got {self.checkpoint_dtype!r}")
         if self.autocast not in ("auto", "bf16", "off"):
             raise DsparkError(f"autocast must be auto, bf16 or off, got {self.autocast!r}")
         if self.device != "auto":

@@ -34,7 +34,7 @@ from dspark.draft.eagle3 import Eagle3Model
 from dspark.errors import DsparkError
 from dspark.target.kernels import cpu_has_native_bf16
 from dspark.target.loading import load_target
-from dspark.train.config import ALL_ANCHORS, TrainConfig
+from dspark.train.config import ALL_ANCHORS, CHECKPOINT_DTYPES, TrainConfig
 from dspark.train.data import Sample, is_validation, load_samples
 from dspark.train.losses import (
     TargetDist,
@@ -52,10 +52,10 @@ from dspark.util.seeding import derived_generator
 
 # Options a resumed run may change; anything else must match the checkpoint.
 RESUMABLE_CHANGES = {"steps", "checkpoint_every", "eval_every", "threads", "out", "device", "anchor_chunk",
-                     "val_data", "val_max_samples"}
+                     "val_data", "val_max_samples", "checkpoint_dtype"}
 # what runs saved before an option existed had
 ADDED_OPTIONS = {"draft_layer": "target", "confidence_head_with_markov": True, "draft_vocab_size": 0, "anchor_chunk": 64,
-                 "val_data": ""}
+                 "val_data": "", "checkpoint_dtype": "float32"}
 GROUP_STEPS = 16  # group_by_length sorts this many steps' sequences at a time
 
 
@@ -469,12 +469,15 @@ class Trainer:
     # ---- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self) -> None:
         if self.rank == 0:
+            dtype = CHECKPOINT_DTYPES[self.cfg.checkpoint_dtype]
             with atomic_directory(self.out / "checkpoint") as tmp:
-                save_drafter(self.model, tmp / "drafter", target=self.target)
+                save_drafter(self.model, tmp / "drafter", target=self.target, dtype=dtype)
                 tensors = {}
                 for i, p in enumerate(self.model.parameters()):
                     for k, v in self.optimizer.state.get(p, {}).items():
-                        tensors[f"{i}.{k}"] = torch.as_tensor(v).detach().cpu().clone()
+                        v = torch.as_tensor(v).detach().cpu()
+                        # moments in the checkpoint's dtype; AdamW's 0-dim step counter stays as it is
+                        tensors[f"{i}.{k}"] = v.to(dtype) if v.dim() else v.clone()
                 save_file(tensors, tmp / "optimizer.safetensors")
                 state = {"step": self.step, "config": self.cfg.to_dict(), "world_size": self.world,
                          "data_fingerprint": self.data_fingerprint()}
@@ -504,8 +507,8 @@ class Trainer:
         tensors = load_file(ckpt / "optimizer.safetensors")
         params = list(self.model.parameters())
         for i, p in enumerate(params):
-            # moments go to the parameter's device; AdamW keeps its 0-dim step counter on the CPU
-            entry = {k.split(".", 1)[1]: v.to(p.device) if v.dim() else v
+            # moments go to the parameter's device and dtype; AdamW keeps its 0-dim step counter on the CPU
+            entry = {k.split(".", 1)[1]: v.to(p.device, p.dtype) if v.dim() else v
                      for k, v in tensors.items() if k.split(".", 1)[0] == str(i)}
             if entry:
                 self.optimizer.state[p] = entry
