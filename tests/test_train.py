@@ -137,6 +137,7 @@ def test_sigterm_stops_a_joint_run_with_checkpoints_of_one_step_that_resume_exac
              for a in ("dspark", "eagle3")}
     assert len(steps) == 1 and 3 <= steps.pop() < 40
     assert not (tmp_path / "stopped-dspark" / "final").exists()
+    assert all((tmp_path / f"stopped-{a}" / "curves.png").stat().st_size > 10_000 for a in ("dspark", "eagle3"))
 
     res = train(stopped, "--resume")
     assert res.wait(timeout=600) == 0, res.stderr.read()

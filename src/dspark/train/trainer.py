@@ -573,6 +573,7 @@ class Trainer:
         """A stop request: checkpoint this step (unless `after_step` just did) and mark the run stopped."""
         if self.step % self.cfg.checkpoint_every:
             self.save_checkpoint()
+        self.plot_curves()
         self.stopped = True
 
     def validate_and_log(self) -> dict:
@@ -586,6 +587,11 @@ class Trainer:
     def finish(self) -> None:
         if self.rank == 0:
             save_drafter(self.model, self.out / "final", target=self.target)
+        self.plot_curves()
+
+    def plot_curves(self) -> None:
+        """OUT/curves.png from the log so far (at the end of a run, and where a stopped run stands)."""
+        if self.rank == 0:
             from dspark.train.plot import plot_training
 
             plot_training(self.out / "log.jsonl", self.out / "curves.png")
