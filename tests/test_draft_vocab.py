@@ -44,6 +44,24 @@ def _reduced(target, k: int, seed: int = 0) -> list[int]:
     return sorted(torch.randperm(target.cfg.vocab_size, generator=g)[:k].tolist())
 
 
+def test_a_bf16_save_keeps_the_vocabulary_maps_exact(tiny_targets, tmp_path):
+    """save_drafter(dtype=bf16) casts the weights only: d2t / t2d keep their integer / bool dtypes (bf16
+    holds integers exactly only up to 256, so a cast map fails to load with a real vocabulary)."""
+    from safetensors.torch import load_file
+
+    from dspark.draft.checkpoint import load_model, save_drafter
+
+    target = load_target(tiny_targets[1][1], dtype=torch.float32, require_tokenizer=False)
+    model = make_random_dspark(target, "vanilla", block_size=4, draft_vocab=_reduced(target, 40)).model
+    save_drafter(model, tmp_path / "d", target=target, dtype=torch.bfloat16)
+    stored = load_file(tmp_path / "d" / "model.safetensors")
+    assert stored["d2t"].dtype == model.state_dict()["d2t"].dtype
+    assert stored["t2d"].dtype == model.state_dict()["t2d"].dtype
+    assert {v.dtype for k, v in stored.items() if k not in ("d2t", "t2d")} == {torch.bfloat16}
+    loaded, _ = load_model(tmp_path / "d", target)
+    assert torch.equal(loaded.draft_ids, model.draft_ids)
+
+
 @pytest.mark.parametrize("kind", ["vanilla", "rnn", "none", "eagle3"])
 def test_reduced_vocabulary_drafts_stay_inside_and_greedy_is_exact(tiny_targets, kind):
     target = load_target(tiny_targets[1][1], dtype=torch.float32, require_tokenizer=False)

@@ -84,7 +84,8 @@ def save_drafter(
     if target is not None:
         config["dspark_target_probe"] = target_probe(target.model)
     config.update(extra or {})
-    tensors = {k: (v.to(dtype) if dtype else v).cpu() for k, v in model.state_dict().items()}
+    # only weights take `dtype`: the draft vocabulary's index maps (d2t / t2d) keep theirs
+    tensors = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).cpu() for k, v in model.state_dict().items()}
     _write_dir(Path(out), config, tensors)
     return Path(out)
 
