@@ -191,6 +191,17 @@ def test_auto_picks_the_bundled_drafter_of_the_target_else_prompt_lookup(tiny, t
     assert registry.bundled_drafter(llama) is None
     assert load_drafter("auto", qwen3).block_size == 4
     assert type(load_drafter("auto", llama)).__name__ == "PromptLookupDrafter"
+    # auto@RULE: the bundled drafter with that rule; a bad rule fails before anything loads
+    bundled = tmp_path / "bundled" / "q"
+    assert registry.resolve_drafter_spec("auto", qwen3) == f"{bundled}@dspark"
+    assert registry.resolve_drafter_spec("auto@full", qwen3) == f"{bundled}@full"
+    assert registry.resolve_drafter_spec("auto@threshold:0.4", qwen3) == f"{bundled}@threshold:0.4"
+    assert registry.resolve_drafter_spec("auto@full", llama) == "prompt-lookup"
+    registry.check_drafter_spec("auto@full")
+    with pytest.raises(DsparkError, match="unknown verification rule"):
+        registry.check_drafter_spec("auto@fast")
+    with pytest.raises(DsparkError, match="unknown verification rule"):
+        registry.resolve_drafter_spec("auto@fast", qwen3)
     # same shapes, other weights: the probe tells them apart
     other = load_target(make_tiny_hf_model("qwen3", tmp_path / "other-qwen3", tie=True, seed=1), dtype=torch.float32,
                         require_tokenizer=False)

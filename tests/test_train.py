@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,6 +64,11 @@ def test_loss_falls_and_validation_tau_rises(tiny_run, tmp_path, algorithm):
         assert arch == [{"dflash": "Qwen3DSparkModel", "eagle3": "LlamaEagle3Model"}[algorithm]]  # DeepSpec's names
     if algorithm == "eagle3":
         assert len(val[-1]["val"]["alpha"]) == 7  # the training-time test unrolls 7 steps
+    # a finished run whose resume checkpoint was removed (as committed runs are) is never overwritten
+    shutil.rmtree(tmp_path / "run" / "checkpoint")
+    for resume in (False, True):
+        with pytest.raises(DsparkError, match="finished training run"):
+            Trainer(_cfg(tiny_run, tmp_path / "run", algorithm=algorithm), resume=resume, progress=False)
 
 
 def _write_toml(cfg: TrainConfig, path):

@@ -20,7 +20,8 @@ def add_parsers(sub) -> None:
         "in OUT/journal.jsonl: rerunning the same command after an interruption resumes where it stopped.",
     )
     ev.add_argument("--drafter", action="append", required=True,
-                    help="auto | prompt-lookup | PATH (repeatable; auto = the bundled drafter of the target)")
+                    help="auto[@RULE] | prompt-lookup | PATH[@RULE] (repeatable; auto = the bundled drafter of the target "
+                    "with the dspark rule, auto@full = the same verifying every draft)")
     ev.add_argument("--dataset", action="append", default=None,
                     help="JSONL with {\"turns\": [...]} per line (repeatable; default: the five bundled eval sets)")
     ev.add_argument("--limit", type=positive_int, default=None, help="first N prompts of each dataset")

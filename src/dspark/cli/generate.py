@@ -31,7 +31,7 @@ def add_parsers(sub) -> None:
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     target_args(g, threads=True)
     g.add_argument("--drafter", default="auto",
-                   help="auto | none | prompt-lookup | PATH[@RULE] to a drafter checkpoint; RULE = full (verify "
+                   help="auto[@RULE] | none | prompt-lookup | PATH[@RULE] to a drafter checkpoint; RULE = full (verify "
                    "every draft, default) | dspark (stop where one more draft no longer raises expected tokens/s "
                    "of the profiled target) | threshold:C. Default auto: the DSpark drafter dspark ships for the "
                    "target (the embedded SmolLM2) with @dspark, else prompt-lookup")

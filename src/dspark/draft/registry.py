@@ -9,7 +9,8 @@ from dspark.draft.base import Drafter
 from dspark.draft.prompt_lookup import PromptLookupDrafter
 from dspark.errors import DsparkError
 
-DRAFTER_CHOICES = "auto | none | prompt-lookup | PATH to a drafter checkpoint directory, optionally PATH@RULE"
+DRAFTER_CHOICES = ("auto (optionally auto@RULE) | none | prompt-lookup | PATH to a drafter checkpoint directory, "
+                   "optionally PATH@RULE")
 VERIFY_RULES = "full | dspark | threshold:C"  # how many of a confidence-head drafter's drafts to verify
 BUNDLED_DIR = Path(__file__).resolve().parents[1] / "drafters"  # trained drafters shipped with dspark
 
@@ -28,9 +29,13 @@ def bundled_drafter(target) -> Path | None:
 
 def resolve_drafter_spec(spec: str | None, target, rule: str = "dspark") -> str | None:
     """`auto` becomes the bundled drafter of `target` with verification rule `rule` (default: the
-    hardware-aware one, `PATH@dspark`), or prompt-lookup when dspark ships none."""
-    if spec != "auto":
+    hardware-aware one, `PATH@dspark`), `auto@RULE` the same with RULE; prompt-lookup when dspark
+    ships none."""
+    if spec is None or not (spec == "auto" or spec.startswith("auto@")) or Path(spec).exists():
         return spec
+    if spec != "auto":
+        rule = spec.removeprefix("auto@")
+        parse_rule(rule, f" in {spec!r}")
     path = bundled_drafter(target)
     return f"{path}@{rule}" if path else "prompt-lookup"
 
@@ -59,6 +64,8 @@ def check_drafter_spec(spec: str | None) -> None:
     if spec in (None, "auto", "none", "prompt-lookup"):
         return
     base, _ = split_spec(spec)
+    if base == "auto" and not Path(spec).exists():
+        return
     if not Path(base).expanduser().exists():
         raise DsparkError(f"drafter {spec!r} is neither a known drafter ({DRAFTER_CHOICES}) nor an existing path")
 

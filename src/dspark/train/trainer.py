@@ -124,6 +124,10 @@ class Trainer:
         self.stopped = False  # by a stop request (SIGINT / SIGTERM), checkpointed, before `steps`
         self._perm_epoch: int | None = None  # data order of the current epoch, cached
         ckpt = self.out / "checkpoint"
+        finished = not ckpt.exists() and (self.out / "final").exists()  # its resume checkpoint removed
+        if finished:
+            raise DsparkError(f"{self.out} holds a finished training run (final/ is its drafter) without a resume "
+                              "checkpoint; choose another `out` to train again")
         if resume:
             if not ckpt.is_dir():
                 raise DsparkError(f"--resume: no checkpoint in {self.out} (expected {ckpt})")
