@@ -17,7 +17,9 @@ def add_parsers(sub) -> None:
         "machine drift hits all alike) and write OUT/results.json, OUT/report.md and plots: τ, conditional "
         "acceptance per block position, verify efficiency, decode tok/s, speedup over AR, and for drafters "
         "with a confidence head ECE / ROC-AUC / Brier of the prefix-survival product. Finished generations are kept "
-        "in OUT/journal.jsonl: rerunning the same command after an interruption resumes where it stopped.",
+        "in OUT/journal.jsonl: rerunning the same command after an interruption resumes where it stopped, on "
+        "this or another machine (a prompt cut short is redone whole, so its engines are timed side by side; "
+        "the report counts generations by CPU flags).",
     )
     ev.add_argument("--drafter", action="append", required=True,
                     help="auto[@RULE] | prompt-lookup | PATH[@RULE] (repeatable; auto = the bundled drafter of the target "

@@ -133,7 +133,7 @@ def evaluate(
     if peers:
         settings["peers"] = {p.name: str(p.path) for p in peers}
     journal = Journal(journal_path, settings) if journal_path else None
-    done = journal.done if journal else {}
+    done = dict(journal.done) if journal else {}
     total = len(temperatures) * sum(len(p) for p in prompt_sets.values()) * len(engines)
     acc: dict[tuple[str, str, float], RunAccumulator] = {}
     measured_on: Counter = Counter()  # generations by the CPU flags of the machine that ran them
@@ -145,8 +145,12 @@ def evaluate(
             for i, text in enumerate(prompts):
                 ids = None
                 order = names[i % len(names) :] + names[: i % len(names)]  # rotate: drift hits all alike
-                for name in order:
-                    key = (temp, ds, i, name)
+                group = [(temp, ds, i, name) for name in order]
+                # a prompt's engines run back to back on one machine: one cut short by a kill is redone whole
+                if not all(key in done for key in group):
+                    for key in group:
+                        done.pop(key, None)
+                for name, key in zip(order, group):
                     record = done.get(key)
                     if record is None:
                         ids = ids or target.encode_prompt(text)
@@ -205,6 +209,8 @@ def _run_record(name, ds, temp, a: RunAccumulator, ar: RunAccumulator, drafter) 
         "decode_tok_s": a.tok_s,
         "ar_decode_tok_s": ar.tok_s,
         "speedup": a.tok_s / ar.tok_s if ar.tok_s else 0.0,
+        # seconds a round (draft + verify) in AR decode steps: speedup = tokens per round / round cost
+        "round_cost": (a.decode_s / len(a.rounds)) / (ar.decode_s / ar.tokens) if a.rounds and ar.tokens else 0.0,
         "calibration": calibration,
     }
 
@@ -241,7 +247,7 @@ def _macro(name, temp, rows: list[dict]) -> dict:
     return {"drafter": name, "dataset": "macro", "temperature": temp, "prompts": sum(r["prompts"] for r in rows),
             "vocab_coverage": statistics.fmean(coverage) if coverage else None, "tau": mean("tau"), "cond_accept": cond, "verify_efficiency": mean("verify_efficiency"),
             "decode_tok_s": mean("decode_tok_s"), "ar_decode_tok_s": mean("ar_decode_tok_s"),
-            "speedup": mean("speedup"), "calibration": calibration}
+            "speedup": mean("speedup"), "round_cost": mean("round_cost"), "calibration": calibration}
 
 
 def write_report(results: dict, out: Path) -> None:
@@ -251,13 +257,14 @@ def write_report(results: dict, out: Path) -> None:
     lines = ["# dspark eval", "",
              f"Datasets {cfg['datasets']} (prompts each), {cfg['max_new_tokens']} new tokens, seed {cfg['seed']}, "
              f"confidence threshold {cfg['confidence_threshold']}. Every drafter and plain AR ran the same prompts "
-             "in rotating order; speedup = decode tok/s over AR's on the same prompts in the same run.",
+             "in rotating order; speedup = decode tok/s over AR's on the same prompts in the same run; round cost = "
+             "seconds per draft-and-verify round in AR decode steps (speedup = tokens per round / round cost).",
              _machine_line(cfg.get("machine")), ""]
     for temp in cfg["temperatures"]:
         lines += [f"## T = {temp}", "",
-                  "| drafter | dataset | τ | verify eff. | decode tok/s | AR tok/s | speedup "
+                  "| drafter | dataset | τ | verify eff. | decode tok/s | AR tok/s | speedup | round cost "
                   "| ECE raw → STS | AUC raw → STS | Brier raw → STS | vocab coverage |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["runs"]:
             if r["temperature"] != temp:
                 continue
@@ -265,7 +272,7 @@ def write_report(results: dict, out: Path) -> None:
             name = f"**{r['dataset']}**" if r["dataset"] == "macro" else r["dataset"]
             coverage = "–" if r.get("vocab_coverage") is None else f"{r['vocab_coverage']:.1%}"
             lines.append(f"| {r['drafter']} | {name} | {r['tau']:.2f} | {r['verify_efficiency']:.2f} | "
-                         f"{r['decode_tok_s']:.1f} | {r['ar_decode_tok_s']:.1f} | {r['speedup']:.2f}x | {cal} "
+                         f"{r['decode_tok_s']:.1f} | {r['ar_decode_tok_s']:.1f} | {r['speedup']:.2f}x | {r['round_cost']:.2f} | {cal} "
                          f"| {coverage} |")
         lines += ["", "Conditional acceptance by block position (macro average):", "",
                   "| drafter | " + " | ".join(f"k={k}" for k in range(_max_positions(results, temp))) + " |",
