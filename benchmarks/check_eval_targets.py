@@ -48,7 +48,7 @@ def check(name: str, measured: float, op: str, goal: float, unit: str = "") -> d
             "by": measured - goal}
 
 
-def targets(runs: dict, peers: dict, rounds: dict) -> tuple[list[dict], dict]:
+def targets(runs: dict, rounds: dict) -> tuple[list[dict], dict]:
     temps = sorted({t for _, _, t in runs})
     out = []
     tau = lambda d, ds, t: runs[(d, ds, t)]["tau"]  # noqa: E731
@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("dirs", nargs="+", type=Path, help="dspark eval output directories (results.json, journal.jsonl)")
     args = ap.parse_args()
     runs, peers, rounds = load_runs(args.dirs)
-    checks, calibration = targets(runs, peers, rounds)
+    checks, calibration = targets(runs, rounds)
     out = args.dirs[0]
     (out / "targets.json").write_text(json.dumps({"targets": checks, "calibration": calibration}, indent=2) + "\n")
     lines = ["# The shipped drafter against its targets", "", "From " + ", ".join(f"`{d}`" for d in args.dirs)
