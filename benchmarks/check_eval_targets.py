@@ -17,8 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
-from dspark.decode.step import Round
 from dspark.eval import metrics
+from dspark.eval.runner import RunAccumulator
 from dspark.util.journal import read_records
 
 SHIPPED = "smollm2-135m-instruct"  # the bundled drafter, every block verified
@@ -27,7 +27,7 @@ MATH_CODE = ("gsm8k", "math500", "humaneval", "mbpp")
 
 
 def load_runs(dirs: list[Path]) -> tuple[dict, dict, dict]:
-    """(runs by (drafter, dataset, T), peers by (engine, dataset, T), the journal records by T and drafter)."""
+    """(runs by (drafter, dataset, T), peers by (engine, dataset, T), every generation of the journals by T and drafter)."""
     runs, peers, rounds = {}, {}, {}
     for d in dirs:
         if not (d / "results.json").exists():
@@ -38,8 +38,8 @@ def load_runs(dirs: list[Path]) -> tuple[dict, dict, dict]:
         records, _ = read_records(d / "journal.jsonl")
         latest = {tuple(rec["key"]): rec["value"] for rec in records[1:]}  # a prompt redone after a kill: its last run
         for (temp, _, _, name), value in latest.items():
-            rounds.setdefault((temp, name), []).extend(Round(*r) for r in value["rounds"])
-    return runs, peers, rounds
+            rounds.setdefault((temp, name), RunAccumulator()).add(value)
+    return runs, peers, {key: acc.rounds for key, acc in rounds.items()}
 
 
 def check(name: str, measured: float, op: str, goal: float, unit: str = "") -> dict:
