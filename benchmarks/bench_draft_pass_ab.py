@@ -29,7 +29,7 @@ def child(reps: int, k: int) -> None:
     from bench_draft_vocab import DATA, draft_pass_latency, drafter_for
 
     import dspark
-    from dspark.target.loading import load_target
+    from dspark.model.loading import load_target
     from dspark.train.data import load_samples
 
     torch.set_num_threads(2)

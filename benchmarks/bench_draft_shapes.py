@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from bench_draft_vocab import DATA, draft_pass_latency, drafter_for
 
-from dspark.target.loading import load_target
+from dspark.model.loading import load_target
 from dspark.train.data import load_samples
 from dspark.util.platform import cpu_flags
 

@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 from dspark.decode.generate import Decoder
-from dspark.decode.sampling import SamplingParams
 from dspark.draft import vocab
 from dspark.draft.checkpoint import new_draft_config, wrap_drafter
 from dspark.draft.dspark import DSparkModel
-from dspark.target.loading import load_target
+from dspark.model.loading import load_target
+from dspark.sampling import SamplingParams
 from dspark.train.config import TrainConfig
 from dspark.train.data import load_samples
 from dspark.train.trainer import Trainer

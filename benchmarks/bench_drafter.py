@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dspark.decode.sampling import SamplingParams, new_generator
 from dspark.draft.checkpoint import new_draft_config
 from dspark.draft.dspark import DSparkDrafter, DSparkModel
-from dspark.target.loading import load_target, parse_dtype
+from dspark.model.loading import load_target, parse_dtype
+from dspark.sampling import SamplingParams, new_generator
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dspark.decode.sampling import SamplingParams, new_generator
 from dspark.draft.checkpoint import new_draft_config, new_model, wrap_drafter
-from dspark.target.loading import load_target
+from dspark.model.loading import load_target
+from dspark.sampling import SamplingParams, new_generator
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
+from dspark.decode.engine import Engine, Request
 from dspark.decode.generate import Decoder
-from dspark.decode.sampling import SamplingParams
+from dspark.model.loading import load_target, parse_dtype
+from dspark.sampling import SamplingParams
 from dspark.schedule.policies import ARPolicy
 from dspark.schedule.sps import load_or_measure
-from dspark.serve.engine import Engine, Request
-from dspark.target.loading import load_target, parse_dtype
 from dspark.train.data import load_prompts
 from dspark.train.regenerate import regenerate
 from dspark.util.platform import cpu_flags

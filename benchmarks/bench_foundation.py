@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 from dspark.decode.generate import Decoder
 from dspark.draft.prompt_lookup import PromptLookupDrafter
-from dspark.target.kernels import cpu_has_native_bf16
-from dspark.target.loading import load_target
+from dspark.model.kernels import cpu_has_native_bf16
+from dspark.model.loading import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from dspark.decode.sampling import SamplingParams
-from dspark.target.loading import load_target
+from dspark.model.loading import load_target
+from dspark.sampling import SamplingParams
 from dspark.train.config import load_config
 from dspark.train.data import is_validation, load_prompts, load_samples
 from dspark.train.regenerate import regenerate

@@ -29,9 +29,9 @@ import llama_cpp
 import torch
 
 from dspark.decode.generate import Decoder
+from dspark.decode.speculation import load_speculation
 from dspark.eval.llama_cpp import LlamaCppDecoder, bf16_gguf
-from dspark.schedule.rules import load_speculation
-from dspark.target.loading import default_dtype, embedded_gguf_path, load_target
+from dspark.model.loading import default_dtype, embedded_gguf_path, load_target
 from dspark.util.platform import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +107,7 @@ def weight_error_q4(gguf_path: Path) -> dict:
     (layers, and the Q8_0 LM head as two nibbles) multiplies by bf16-rounded scales / zeros."""
     import gguf
 
-    from dspark.target.quant import dequantise_int4, int4_parts, q8_0_parts
+    from dspark.model.quant import dequantise_int4, int4_parts, q8_0_parts
 
     worst = {}
     for t in gguf.GGUFReader(str(gguf_path)).tensors:

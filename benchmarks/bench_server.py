@@ -101,9 +101,9 @@ async def closed_loop(port: int, prompts: list[str], concurrency: int, max_token
 
 def in_process(target, prompts: list[str], concurrency: int, max_tokens: int, max_len: int = 1024):
     """The same closed loop on an in-process `Engine` under `ar` (no HTTP, no client): what serving costs."""
-    from dspark.decode.sampling import SamplingParams
+    from dspark.decode.engine import Engine, Request
+    from dspark.sampling import SamplingParams
     from dspark.schedule.policies import ARPolicy
-    from dspark.serve.engine import Engine, Request
 
     engine = Engine(target, policy=ARPolicy(), max_batch=concurrency, max_len=max_len)
     requests = [Request(target.encode_prompt(p), max_tokens, SamplingParams()) for p in prompts]
@@ -153,7 +153,7 @@ def main():
                     help="skip the in-process engine (ar, no HTTP) run beside the servers")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/server"))
     args = ap.parse_args()
-    from dspark.eval.runner import default_datasets, load_eval_prompts
+    from dspark.eval.prompts import default_datasets, load_eval_prompts
 
     per_set = [load_eval_prompts(d) for d in default_datasets()]
     prompts = [p for group in zip(*per_set) for p in group]  # datasets interleaved
@@ -166,7 +166,7 @@ def main():
     if args.in_process:
         import torch
 
-        from dspark.target.loading import load_target
+        from dspark.model.loading import load_target
 
         torch.set_num_threads(args.threads)
         target = load_target(None, dtype=args.dtype)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from dspark.decode.sampling import SamplingParams
-from dspark.target.loading import load_target
+from dspark.model.loading import load_target
+from dspark.sampling import SamplingParams
 from dspark.train.config import TrainConfig
 from dspark.train.data import load_prompts
 from dspark.train.regenerate import regenerate

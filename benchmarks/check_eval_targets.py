@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from dspark.eval import metrics
-from dspark.eval.runner import RunAccumulator
+from dspark.eval.evaluate import RunAccumulator
 from dspark.util.journal import read_records
 
 SHIPPED = "smollm2-135m-instruct"  # the bundled drafter, every block verified

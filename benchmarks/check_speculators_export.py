@@ -38,7 +38,7 @@ def dspark_side(args) -> None:
 
     from dspark.cli import main as dspark_main
     from dspark.draft.checkpoint import load_drafter_checkpoint
-    from dspark.target.loading import load_target
+    from dspark.model.loading import load_target
 
     torch.set_num_threads(2)
     work = Path(args.work)

@@ -1,16 +1,11 @@
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(scope="session")
 def smollm2_fp32():
     """The real embedded target in fp32 (exactness tests run in fp32, DESIGN.md §2)."""
-    from dspark.target.loading import load_target
+    from dspark.model.loading import load_target
 
     return load_target(None, dtype=torch.float32)
 

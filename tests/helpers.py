@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from dspark.decode.sampling import SamplingParams
 from dspark.draft.base import DraftBlock, Drafter
+from dspark.sampling import SamplingParams
 
-EVAL_DIR = Path(__file__).resolve().parents[1] / "data" / "eval"
+EVAL_DIR = Path(__file__).resolve().parents[1] / "src" / "dspark" / "eval" / "data"
 
 
 def eval_prompts(name: str, n: int) -> list[str]:
@@ -143,7 +143,7 @@ def tiny_sharp_target(tmp_path: Path):
     so the expected sampling noise is TV ~0.005)."""
     import dataclasses
 
-    from dspark.target.loading import load_target
+    from dspark.model.loading import load_target
 
     target = load_target(make_tiny_hf_model("llama", tmp_path / "v4", vocab=4, layers=2, hidden=32),
                          dtype=torch.float32, pack=False, require_tokenizer=False)
@@ -158,7 +158,7 @@ TV_PROMPT = [2, 3, 2, 1]
 
 def exact_first_two(target, params) -> torch.Tensor:
     """The target's exact joint distribution of the first two tokens after TV_PROMPT, flattened."""
-    from dspark.decode.sampling import probs_from_logits
+    from dspark.sampling import probs_from_logits
 
     m, vocab = target.model, target.cfg.vocab_size
     exact = torch.zeros(vocab, vocab, dtype=torch.float64)
@@ -200,8 +200,8 @@ def first_committed_tokens(p_t: torch.Tensor, p_d: torch.Tensor | None, n_draft:
 
     p_t / p_d: [V] distributions (the same at every position, so the first committed token must be
     distributed exactly as p_t). p_d None = deterministic drafts of token 0 (one-hot p_d)."""
-    from dspark.decode.sampling import sample
     from dspark.decode.verify import verify_chains
+    from dspark.sampling import sample
 
     g = torch.Generator().manual_seed(seed)
     V = p_t.shape[-1]

@@ -17,6 +17,8 @@ from helpers import assert_clean_error, run_cli
         (["--top-k", "-3"], "top-k"),
         (["--dtype", "float8"], "dtype"),
         (["--drafter", "/no/such/drafter"], "drafter"),
+        (["--policy", "fastest"], "policy"),
+        (["--drafter", "prompt-lookup@full", "--policy", "dspark"], "--policy"),
     ],
 )
 def test_bad_arguments_give_one_clear_line(args, needle):
@@ -113,8 +115,8 @@ def test_prompt_ids_in_token_ids_out_for_a_target_without_tokenizer(tiny_targets
     import torch
 
     from dspark.decode.generate import Decoder
-    from dspark.decode.sampling import SamplingParams
-    from dspark.target.loading import load_target
+    from dspark.model.loading import load_target
+    from dspark.sampling import SamplingParams
 
     model = str(dict(tiny_targets)["qwen3-tied"])  # no tokenizer files
     base = ["generate", "--model", model, "--dtype", "float32", "--drafter", "prompt-lookup", "--max-new-tokens", "12"]
@@ -131,3 +133,16 @@ def test_prompt_ids_in_token_ids_out_for_a_target_without_tokenizer(tiny_targets
     assert_clean_error(run_cli(*base, "--prompt-ids", "5,128"), "outside the vocabulary")
     assert_clean_error(run_cli(*base, "--prompt-ids", "5", "--stop", "x"), "--stop needs one")
     assert_clean_error(run_cli(*base, "--prompt-ids", "5", "--prompt", "hi"), "not allowed with")
+
+
+def test_a_policy_spelled_either_way_decodes_as_plain_greedy(tiny_targets):
+    """`--drafter D@POLICY` and `--drafter D --policy POLICY` are one choice (decode/speculation.py), and
+    any policy keeps the output the target's own."""
+    model = str(dict(tiny_targets)["qwen3-tied"])
+    base = ["generate", "--model", model, "--dtype", "float32", "--max-new-tokens", "16", "--prompt-ids", "5,9,17,5,9"]
+    plain = run_cli(*base, "--drafter", "none")
+    assert plain.returncode == 0, plain.stderr
+    for spelling in (["--drafter", "prompt-lookup@fixed:2"], ["--drafter", "prompt-lookup", "--policy", "fixed:2"],
+                     ["--drafter", "prompt-lookup@full", "--policy", "full"]):
+        r = run_cli(*base, *spelling)
+        assert r.returncode == 0 and r.stdout == plain.stdout, (spelling, r.stderr)

@@ -13,14 +13,19 @@ from helpers import (
     tokens_tv,
 )
 
+from dspark.decode.engine import Engine, Request
 from dspark.decode.generate import Decoder
-from dspark.decode.sampling import SamplingParams, probs_from_logits
 from dspark.draft import vocab
 from dspark.errors import DsparkError
+from dspark.model.loading import load_target
+from dspark.sampling import SamplingParams, probs_from_logits
 from dspark.schedule.policies import parse_policy
-from dspark.serve.engine import Engine, Request
-from dspark.target.loading import load_target
-from dspark.train.losses import TargetDist, acceptance_sums, greedy_acceptance_sums, kd_loss_sums
+from dspark.train.losses import (
+    TargetDist,
+    acceptance_sums,
+    greedy_acceptance_sums,
+    kd_loss_sums,
+)
 
 
 def test_mapping_round_trips_in_eagle3_convention():

@@ -11,11 +11,16 @@ import time
 
 import pytest
 import torch
-from helpers import make_random_dspark, make_tiny_hf_model, make_tiny_regen_data, start_cli
+from helpers import (
+    make_random_dspark,
+    make_tiny_hf_model,
+    make_tiny_regen_data,
+    start_cli,
+)
 from safetensors.torch import load_file
 
 from dspark.errors import DsparkError
-from dspark.target.loading import load_target
+from dspark.model.loading import load_target
 from dspark.train.config import TrainConfig, load_config
 from dspark.train.trainer import Trainer
 
@@ -306,7 +311,7 @@ def test_group_by_length_batches_similar_lengths_and_still_visits_every_sample_o
             f.write(json.dumps(obj) + "\n")
 
     def spread(trainer, epoch):
-        perm = trainer._perm(epoch).tolist()
+        perm = trainer.order.permutation(epoch).tolist()
         assert sorted(perm) == list(range(len(trainer.train_set)))  # a permutation: each sample once
         lengths = [len(trainer.train_set[i].response_ids) for i in perm]
         return sum(max(lengths[i : i + 4]) - min(lengths[i : i + 4]) for i in range(0, len(perm), 4)), perm
@@ -318,7 +323,7 @@ def test_group_by_length_batches_similar_lengths_and_still_visits_every_sample_o
         assert g_spread < p_spread / 3, (g_spread, p_spread)
         assert g_perm != p_perm
     again = Trainer(_cfg(tiny_run, tmp_path / "g2", data=str(varied)), progress=False)
-    assert again._perm(1).tolist() == grouped._perm(1).tolist()  # a function of (seed, epoch): resumable
+    assert again.order.permutation(1).tolist() == grouped.order.permutation(1).tolist()  # a function of (seed, epoch): resumable
 
 
 @pytest.mark.parametrize("algorithm", ["dspark", "eagle3"])
@@ -348,8 +353,8 @@ def test_training_over_a_reduced_draft_vocabulary(tiny_run, tmp_path, algorithm)
 def test_all_anchors_in_chunks_give_the_gradient_of_one_pass(tiny_run, tmp_path):
     """anchors_per_seq = "all" takes every response position; anchor_chunk splits the drafter's pass
     (bounded memory) while the target runs once per micro-batch; the gradient is the same."""
+    from dspark.train.batches import sample_anchors
     from dspark.train.data import load_samples
-    from dspark.train.trainer import sample_anchors
 
     _, data, _ = tiny_run
     sample = load_samples(data)[0]
@@ -360,11 +365,11 @@ def test_all_anchors_in_chunks_give_the_gradient_of_one_pass(tiny_run, tmp_path)
     for chunk in (1000, 7):
         trainer = Trainer(_cfg(tiny_run, tmp_path / f"c{chunk}", anchors_per_seq="all", anchor_chunk=chunk,
                                batch_size=2, autocast="off"), progress=False)
-        items = trainer.global_batch(0)
-        t = trainer.target_outputs(items)
+        items = trainer.order.global_batch(0)
+        t = trainer.target_pass(items)
         spans.append(len(trainer.anchor_spans(t)))
         for span in trainer.anchor_spans(t):
-            trainer._loss_sums(trainer.drafter_outputs(t, trainer.model, span)).total.backward()
+            trainer.loss_sums(trainer.drafter_pass(t, span, trainer.model)).total.backward()
         grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None]))
         calls = []
         forward = trainer.target.model.forward

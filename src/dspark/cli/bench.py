@@ -40,11 +40,11 @@ def add_parsers(sub) -> None:
 
 
 def cmd_bench_serve(args) -> int:
-    from dspark.eval.runner import default_datasets, load_eval_prompts
+    from dspark.eval.prompts import default_datasets, load_eval_prompts
+    from dspark.model.loading import parse_dtype
     from dspark.schedule.policies import SPSTable, parse_policy
     from dspark.schedule.sps import load_or_measure
     from dspark.serve.bench import bench_serve, write_bench_report
-    from dspark.target.loading import parse_dtype
 
     try:
         levels = [int(c) for c in args.concurrency.split(",")]

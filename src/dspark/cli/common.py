@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from dspark.schedule.policies import POLICIES  # noqa: F401 (the spellings every command's --policy takes)
+
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
@@ -40,12 +42,11 @@ def target_args(p: argparse.ArgumentParser, dtype: bool = True, threads: bool = 
         p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
 
 
-
 def open_target(args, **kwargs):
     """Load the target that --model / --dtype / --threads name (kwargs go to `load_target`)."""
     import torch
 
-    from dspark.target.loading import load_target, parse_dtype
+    from dspark.model.loading import load_target, parse_dtype
 
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)

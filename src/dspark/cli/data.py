@@ -42,8 +42,8 @@ def add_parsers(sub) -> None:
 
 
 def cmd_data_regenerate(args) -> int:
-    from dspark.decode.sampling import SamplingParams
-    from dspark.target.loading import parse_dtype
+    from dspark.model.loading import parse_dtype
+    from dspark.sampling import SamplingParams
     from dspark.train.data import select_prompts
     from dspark.train.regenerate import regenerate
 

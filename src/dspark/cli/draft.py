@@ -96,7 +96,7 @@ def cmd_draft_init(args) -> int:
     from dspark.draft.checkpoint import init_from_target, new_draft_config, save_drafter
     from dspark.draft.dspark import DSparkModel
     from dspark.draft.vocab import coverage, most_frequent
-    from dspark.target.loading import parse_dtype
+    from dspark.model.loading import parse_dtype
     from dspark.train.data import load_samples
 
     dtype = parse_dtype(args.dtype, quantised=False)
@@ -152,7 +152,7 @@ def cmd_draft_export(args) -> int:
 def cmd_draft_convert(args) -> int:
 
     from dspark.draft.checkpoint import convert_drafter
-    from dspark.target.loading import parse_dtype
+    from dspark.model.loading import parse_dtype
 
     check_writable(args.out)
     target = _fp32_target(args)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dspark.cli.common import open_target, positive_int, target_args
+from dspark.cli.common import POLICIES, open_target, positive_int, target_args
 from dspark.errors import DsparkError
 from dspark.util.files import check_writable
 
@@ -22,10 +22,12 @@ def add_parsers(sub) -> None:
         "the report counts generations by CPU flags).",
     )
     ev.add_argument("--drafter", action="append", required=True,
-                    help="auto[@RULE] | prompt-lookup | PATH[@RULE] (repeatable; auto = the bundled drafter of the target "
-                    "with the dspark rule, auto@full = the same verifying every draft)")
+                    help="auto | prompt-lookup | PATH, each optionally @POLICY (repeatable; auto = the bundled drafter "
+                    "of the target with the dspark policy, auto@full = the same verifying every draft; a PATH alone "
+                    f"verifies every draft). POLICY: {POLICIES}")
     ev.add_argument("--dataset", action="append", default=None,
-                    help="JSONL with {\"turns\": [...]} per line (repeatable; default: the five bundled eval sets)")
+                    help="JSONL with {\"turns\": [...]} per line, or the name of a bundled set (gsm8k, humaneval, "
+                    "math500, mbpp, mt-bench) (repeatable; default: the five bundled sets)")
     ev.add_argument("--limit", type=positive_int, default=None, help="first N prompts of each dataset")
     ev.add_argument("--max-new-tokens", type=positive_int, default=256, help="(default 256)")
     ev.add_argument("--temperature", type=float, action="append", default=None,
@@ -64,18 +66,21 @@ def add_parsers(sub) -> None:
 def cmd_eval(args) -> int:
     import torch
 
-    from dspark.decode.sampling import SamplingParams
+    from dspark.eval.evaluate import evaluate
     from dspark.eval.llama_cpp import LlamaCppDecoder, llama_cpp_path
-    from dspark.eval.runner import default_datasets, evaluate, write_report
-    from dspark.target.loading import parse_dtype
+    from dspark.eval.prompts import default_datasets, resolve_dataset
+    from dspark.eval.report import write_report
+    from dspark.model.loading import parse_dtype
+    from dspark.sampling import SamplingParams
 
     temps = args.temperature or [0.0]
     for t in temps:
         SamplingParams(temperature=t)  # validates
-    datasets = args.dataset or default_datasets()
+    datasets = [resolve_dataset(d) for d in args.dataset] if args.dataset else default_datasets()
     for d in datasets:
-        if not Path(d).is_file():
-            raise DsparkError(f"dataset {d} does not exist")
+        if not d.is_file():
+            names = ", ".join(p.stem for p in default_datasets())
+            raise DsparkError(f"dataset {d} does not exist; give a JSONL file or a bundled set's name ({names})")
     check_writable(args.out)
     parse_dtype(args.dtype)
     target = open_target(args)
@@ -89,12 +94,16 @@ def cmd_eval(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from dspark.decode.sampling import SamplingParams
-    from dspark.draft.checkpoint import convert_drafter, load_drafter_checkpoint, write_temperatures
+    from dspark.draft.checkpoint import (
+        convert_drafter,
+        load_drafter_checkpoint,
+        write_temperatures,
+    )
     from dspark.eval import metrics
     from dspark.eval.calibration import fit_sts, record_full_rounds
-    from dspark.eval.runner import load_eval_prompts
-    from dspark.target.loading import parse_dtype
+    from dspark.eval.prompts import load_eval_prompts
+    from dspark.model.loading import parse_dtype
+    from dspark.sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature)
     if not args.dry_run:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING
 
-from dspark.cli.common import open_target, positive_int, target_args
+from dspark.cli.common import POLICIES, open_target, positive_int, target_args
 from dspark.errors import DsparkError
+
+if TYPE_CHECKING:
+    from dspark.model.target import Target
 
 
 def add_parsers(sub) -> None:
@@ -31,10 +35,14 @@ def add_parsers(sub) -> None:
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     target_args(g, threads=True)
     g.add_argument("--drafter", default="auto",
-                   help="auto[@RULE] | none | prompt-lookup | PATH[@RULE] to a drafter checkpoint; RULE = full (verify "
-                   "every draft, default) | dspark (stop where one more draft no longer raises expected tokens/s "
-                   "of the profiled target) | threshold:C. Default auto: the DSpark drafter dspark ships for the "
-                   "target (the embedded SmolLM2) with @dspark, else prompt-lookup")
+                   help="auto | none | prompt-lookup | PATH to a drafter checkpoint, each optionally @POLICY (the "
+                   "same as --policy POLICY). Default auto: the DSpark drafter dspark ships for the target (the "
+                   "embedded SmolLM2) with the dspark policy, else prompt-lookup")
+    g.add_argument("--policy", default=None, metavar="POLICY",
+                   help=f"how many drafts of each round the target verifies: {POLICIES}. full = every draft (the "
+                   "default for a PATH); dspark = stop where one more draft no longer raises expected tokens/s of "
+                   "the profiled target (the default for auto); threshold:C = while the calibrated prefix survival "
+                   ">= C; fixed:K = the first K; ar = none (plain decoding)")
     g.add_argument("--num-draft-tokens", type=positive_int, default=None, help="max draft tokens per round")
     g.add_argument("--confidence-threshold", type=float, default=None, metavar="C",
                    help="verify drafts only while their calibrated prefix survival >= C (drafters with a confidence head)")
@@ -54,11 +62,14 @@ def _prompt_ids(text: str) -> list[int]:
 
 def cmd_generate(args) -> int:
     from dspark.decode.generate import Decoder
-    from dspark.decode.sampling import SamplingParams
+    from dspark.decode.speculation import (
+        check_drafter_spec,
+        load_speculation,
+        with_policy,
+    )
     from dspark.decode.streaming import TextStreamer
-    from dspark.draft.registry import check_drafter_spec
-    from dspark.schedule.rules import load_speculation
-    from dspark.target.loading import parse_dtype
+    from dspark.model.loading import parse_dtype
+    from dspark.sampling import SamplingParams
 
     # validate everything cheap before loading the model
     prompt_ids = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
@@ -66,14 +77,15 @@ def cmd_generate(args) -> int:
         raise DsparkError("the prompt is empty; pass some text with --prompt")
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     parse_dtype(args.dtype)
-    check_drafter_spec(args.drafter)
+    spec = with_policy(args.drafter, args.policy)
+    check_drafter_spec(spec)
 
     target = open_target(args, require_tokenizer=False)
     if target.tokenizer is None and (prompt_ids is None or args.stop):
         raise DsparkError(f"{target.path} has no tokenizer files (tokenizer.json / tokenizer_config.json): "
                           f"{'--stop needs one' if prompt_ids is not None else 'pass the prompt as token ids with --prompt-ids'}")
     drafter_spec, drafter, policy = load_speculation(
-        args.drafter, target, args.num_draft_tokens, args.confidence_threshold,
+        spec, target, args.num_draft_tokens, args.confidence_threshold,
         auto_rule="full" if args.confidence_threshold is not None else "dspark")
     if prompt_ids is None:
         prompt_ids = target.encode_prompt(args.prompt, chat=not args.raw)
@@ -96,7 +108,7 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _report(args, target, result, streamer, drafter_spec: str | None) -> None:
+def _report(args, target: Target, result, streamer, drafter_spec: str | None) -> None:
     """The reply's end (JSON, text or token ids) on stdout, the stats line on stderr."""
     s = result.stats
     if args.json:

@@ -47,8 +47,8 @@ def add_parsers(sub) -> None:
 def cmd_profile(args) -> int:
     import torch
 
+    from dspark.model.loading import parse_dtype
     from dspark.schedule.sps import fit_context, load_or_measure, plot_sps
-    from dspark.target.loading import parse_dtype
 
     check_writable(args.plot, "file", "plot")
     parse_dtype(args.dtype)

@@ -7,10 +7,8 @@ import signal
 import socket
 import sys
 
-from dspark.cli.common import open_target, positive_int, target_args
+from dspark.cli.common import POLICIES, open_target, positive_int, target_args
 from dspark.errors import DsparkError
-
-POLICIES = "ar | full | fixed:K | threshold:C | dspark | dspark-async"
 
 
 def add_parsers(sub) -> None:
@@ -26,9 +24,10 @@ def add_parsers(sub) -> None:
     )
     target_args(s, threads=True)
     s.add_argument("--drafter", default="auto",
-                   help="auto | none | prompt-lookup | PATH to a drafter checkpoint (default auto: the DSpark "
-                   "drafter dspark ships for the target, else prompt-lookup)")
-    s.add_argument("--policy", default="dspark",
+                   help="auto | none | prompt-lookup | PATH to a drafter checkpoint, each optionally @POLICY (the "
+                   "same as --policy POLICY); default auto: the DSpark drafter dspark ships for the target, else "
+                   "prompt-lookup")
+    s.add_argument("--policy", default=None, metavar="POLICY",
                    help=f"verification policy: {POLICIES} (default dspark: Algorithm 1 on the target's profiled "
                    "SPS curve, measured once per machine and cached)")
     s.add_argument("--max-batch", type=positive_int, default=8, help="requests decoded together (default 8)")
@@ -110,36 +109,36 @@ def cmd_serve(args) -> int:
 
     import uvicorn
 
-    from dspark.draft.registry import check_drafter_spec, resolve_drafter_spec, split_spec
-    from dspark.schedule.policies import SPSTable, parse_policy
+    from dspark.decode.speculation import (
+        check_drafter_spec,
+        engine_factory,
+        resolve_drafter_spec,
+        split_spec,
+        with_policy,
+    )
+    from dspark.model.loading import DEFAULT_MODEL, parse_dtype
+    from dspark.schedule.policies import parse_policy
     from dspark.schedule.sps import cached_sps, load_or_measure
-    from dspark.serve.engine import engine_factory
     from dspark.serve.metrics import ServerMetrics
     from dspark.serve.server import ServerInfo, create_app
     from dspark.serve.service import EngineService
-    from dspark.target.loading import DEFAULT_MODEL, parse_dtype
 
     # validate everything cheap before loading the model
-    if "@" in args.drafter and not Path(args.drafter).exists():
-        raise DsparkError("dspark serve takes the verification rule as --policy (e.g. --policy full), "
-                          "not as --drafter PATH@RULE")
-    check_drafter_spec(args.drafter)
-    parse_policy(args.policy, SPSTable((1.0,)))
+    drafter, policy = split_spec(with_policy(args.drafter, args.policy), default="dspark")
+    check_drafter_spec(drafter)
     parse_dtype(args.dtype)
     if args.shutdown_timeout < 0:
         raise DsparkError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     _check_port(args.host, args.port)
 
     target = open_target(args)
-    spec = resolve_drafter_spec(args.drafter, target)
-    if spec not in (None, "none", "prompt-lookup"):
-        spec = split_spec(spec)[0]
+    spec = split_spec(resolve_drafter_spec(drafter, target))[0]
     if args.max_model_len and args.max_model_len > target.model.max_positions:
         raise DsparkError(f"--max-model-len {args.max_model_len} exceeds the model's {target.model.max_positions} "
                           "positions")
     max_len = min(args.max_model_len or 4096, target.model.max_positions)
     make_engine, drafter_label, max_drafts = engine_factory(target, spec, max_len)
-    policy_name = args.policy if drafter_label != "none" else "ar"
+    policy_name = policy if drafter_label != "none" else "ar"
     sps = None
     if policy_name in ("dspark", "dspark-async"):
         sps_tokens = min(256, args.max_batch * (max_drafts + 1))

@@ -11,13 +11,13 @@ import dataclasses
 import time
 from typing import Callable, Iterable
 
-from dspark.decode.sampling import SamplingParams, new_generator
 from dspark.decode.step import DecodeStep, Round, draft_budget
 from dspark.decode.stopping import StopChecker
 from dspark.draft.base import Drafter, PerRequestDrafters
 from dspark.errors import DsparkError
+from dspark.model.target import Target
+from dspark.sampling import SamplingParams, new_generator
 from dspark.schedule.policies import ARPolicy, Policy, VerifyAllPolicy
-from dspark.target.loading import Target
 
 
 @dataclasses.dataclass

@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from dspark.decode.sampling import SamplingParams, probs_from_logits, sample
 from dspark.decode.verify import verify_chains
 from dspark.draft.base import BatchDrafter, DraftBlock
-from dspark.draft.heads import prefix_survival
-from dspark.schedule.policies import AcceptanceEstimate, Policy
+from dspark.sampling import SamplingParams, probs_from_logits, sample
+from dspark.schedule.policies import Policy
+from dspark.schedule.survival import AcceptanceEstimate, prefix_survival
 
 
 @dataclasses.dataclass

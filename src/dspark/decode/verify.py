@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.decode.sampling import sample
+from dspark.sampling import sample
 
 
 def verify_chains(

@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from dspark.decode.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
+from dspark.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
 
 
 @dataclasses.dataclass

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from dspark.decode.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
 from dspark.draft.base import BatchDrafter, DraftBlock
 from dspark.draft.dspark import DSparkModel, markov_logits, markov_w2t
 from dspark.draft.vocab import DraftHead
-from dspark.target.kernels import fast_linears
+from dspark.model.kernels import fast_linears
+from dspark.model.target import Target
+from dspark.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
 
 
 class BatchedDSparkDrafter(BatchDrafter):
     """`slots` rows of context K/V, each up to `max_len` positions; `temperatures`: STS calibration."""
 
-    def __init__(self, model: DSparkModel, target, slots: int, max_len: int, temperatures: list[float] | None = None):
+    def __init__(self, model: DSparkModel, target: Target, slots: int, max_len: int, temperatures: list[float] | None = None):
         self.model = fast_linears(model).eval()  # prepacked projections
         self.target = target
         self.cfg = model.cfg

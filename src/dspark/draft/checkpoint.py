@@ -19,6 +19,7 @@ from dspark.draft.config import DraftConfig, default_tap_layers
 from dspark.draft.dspark import DSparkDrafter, DSparkModel
 from dspark.draft.heads import upgrade_legacy_names
 from dspark.errors import DsparkError
+from dspark.model.target import Target
 from dspark.util.files import atomic_directory, atomic_write_text
 
 WEIGHTS = "model.safetensors"
@@ -34,7 +35,7 @@ def target_probe(target_model) -> list[float]:
     return [float(f"{x:.6g}") for x in norms.tolist()]
 
 
-def default_mask_token_id(target) -> int:
+def default_mask_token_id(target: Target) -> int:
     """A token the target never produces: an unused embedding row if there is one, else the
     highest-id added special token that is not BOS/EOS/PAD or a chat-template marker (for SmolLM2:
     `<empty_output>`)."""
@@ -54,7 +55,7 @@ def default_mask_token_id(target) -> int:
     return max(candidates)
 
 
-def new_draft_config(target, **options) -> DraftConfig:
+def new_draft_config(target: Target, **options) -> DraftConfig:
     """A drafter config for `target`; unset options get defaults (5 spread taps for DSpark, 3 for
     EAGLE-3's low/mid/high features, an unused mask token)."""
     opts = {k: v for k, v in options.items() if v is not None}
@@ -73,7 +74,7 @@ def _write_dir(out: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Non
 
 
 def save_drafter(
-    model: DSparkModel, out: str | Path, target=None, dtype: torch.dtype | None = None, extra: dict | None = None
+    model: DSparkModel, out: str | Path, target: Target | None = None, dtype: torch.dtype | None = None, extra: dict | None = None
 ) -> Path:
     """Save `model` (weights in `dtype`, default: as they are) to the directory `out`.
 
@@ -102,7 +103,7 @@ def read_config(path: str | Path) -> dict:
         raise DsparkError(f"{path / 'config.json'} is not valid JSON: {e}") from None
 
 
-def target_mismatches(cfg: DraftConfig, raw: dict, target) -> list[str]:
+def target_mismatches(cfg: DraftConfig, raw: dict, target: Target) -> list[str]:
     """Why a drafter (its config and raw config.json) does not fit `target`; [] when it does."""
     t, d = target.cfg, cfg.target
     problems = [
@@ -127,7 +128,7 @@ def target_mismatches(cfg: DraftConfig, raw: dict, target) -> list[str]:
     return problems
 
 
-def check_against_target(cfg: DraftConfig, raw: dict, target, path: Path) -> None:
+def check_against_target(cfg: DraftConfig, raw: dict, target: Target, path: Path) -> None:
     """Fail clearly when the drafter was made for another target."""
     problems = target_mismatches(cfg, raw, target)
     if problems:
@@ -146,7 +147,7 @@ def new_model(cfg: DraftConfig):
     return DSparkModel(cfg)
 
 
-def init_from_target(model, target, copy_layers: bool = False) -> None:
+def init_from_target(model, target: Target, copy_layers: bool = False) -> None:
     """Start a new drafter from the target's weights where the shapes are the target's own.
 
     The final norm takes the target's gains: the shared LM head reads hidden states through them
@@ -158,7 +159,7 @@ def init_from_target(model, target, copy_layers: bool = False) -> None:
         model.norm.weight.copy_(target.model.norm.to(model.norm.weight.dtype))
         if not copy_layers:
             return
-        from dspark.target.loading import read_state_dict
+        from dspark.model.loading import read_state_dict
 
         source = read_state_dict(target.path)
         first = target.cfg.num_hidden_layers - len(model.layers)
@@ -169,7 +170,7 @@ def init_from_target(model, target, copy_layers: bool = False) -> None:
                     p.copy_(w.to(p.dtype))
 
 
-def wrap_drafter(model, target, num_draft_tokens: int | None = None):
+def wrap_drafter(model, target: Target, num_draft_tokens: int | None = None):
     """The inference-side Drafter for a drafter model."""
     if model.cfg.kind == "eagle3":
         from dspark.draft.eagle3 import Eagle3Drafter
@@ -178,7 +179,7 @@ def wrap_drafter(model, target, num_draft_tokens: int | None = None):
     return DSparkDrafter(model, target, num_draft_tokens)
 
 
-def load_model(path: str | Path, target) -> tuple[DSparkModel, dict]:
+def load_model(path: str | Path, target: Target) -> tuple[DSparkModel, dict]:
     """Load and validate a drafter checkpoint for `target`; returns the model (in the target's
     dtype and device) and the raw config dict."""
     path = Path(path).expanduser()
@@ -218,7 +219,7 @@ def load_model(path: str | Path, target) -> tuple[DSparkModel, dict]:
     return model, raw
 
 
-def load_drafter_checkpoint(path: str | Path, target, num_draft_tokens: int | None = None):
+def load_drafter_checkpoint(path: str | Path, target: Target, num_draft_tokens: int | None = None):
     """A ready Drafter (DSpark / DFlash / EAGLE-3) from a checkpoint directory, with its calibration
     temperatures."""
     model, raw = load_model(path, target)
@@ -240,7 +241,7 @@ def write_temperatures(path: str | Path, temperatures: list[float]) -> None:
     atomic_write_text(path / "config.json", json.dumps(raw, indent=2) + "\n")
 
 
-def convert_drafter(path: str | Path, target, out: str | Path, dtype: torch.dtype) -> Path:
+def convert_drafter(path: str | Path, target: Target, out: str | Path, dtype: torch.dtype) -> Path:
     """Copy a checkpoint to `out` with its weights in `dtype` (config and calibration kept)."""
     path = Path(path).expanduser()
     load_model(path, target)  # validates
@@ -268,7 +269,7 @@ def _deepspec_config(raw: dict, cfg: DraftConfig) -> dict:
     return d
 
 
-def _speculators_config(raw: dict, cfg: DraftConfig, target) -> dict:
+def _speculators_config(raw: dict, cfg: DraftConfig, target: Target) -> dict:
     """config.json in the `speculators` package's DSpark layout: the draft layer as a Qwen3 config,
     tapped layers as hidden-state indices (layer id + 1; the embedding output is 0), the verifier named."""
     layer_keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -302,7 +303,7 @@ def _speculators_config(raw: dict, cfg: DraftConfig, target) -> dict:
     }
 
 
-def export_drafter(path: str | Path, target, out: str | Path, layout: str = "deepspec") -> Path:
+def export_drafter(path: str | Path, target: Target, out: str | Path, layout: str = "deepspec") -> Path:
     """Copy a checkpoint to `out` in another tool's layout.
 
     deepspec: DeepSpec's own (what vLLM's `Qwen3DSparkModel` loads): the same tensors plus copies of

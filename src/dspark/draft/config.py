@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from dspark.errors import DsparkError
-from dspark.target.config import TargetConfig
+from dspark.model.config import TargetConfig
 
 HEAD_TYPES = ("vanilla", "gated", "rnn", "none")  # "none" = DFlash mode (no sequential head)
 DRAFT_LAYERS = ("qwen3", "target")

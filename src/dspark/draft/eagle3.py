@@ -17,10 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.decode.sampling import SamplingParams
 from dspark.draft.base import DraftBlock, token_picker
 from dspark.draft.config import DraftConfig
-from dspark.draft.dspark import DraftAttention, DraftMLP, DraftModelBase, ModelDrafter, RMSNorm
+from dspark.draft.layers import (
+    DraftAttention,
+    DraftMLP,
+    DraftModelBase,
+    ModelDrafter,
+    RMSNorm,
+)
+from dspark.model.target import Target
+from dspark.sampling import SamplingParams
 
 
 class Eagle3Layer(nn.Module):
@@ -105,7 +112,7 @@ class Eagle3Model(DraftModelBase):
 class Eagle3Drafter(ModelDrafter):
     """Inference: pair KV cache of the context + γ autoregressive draft steps with exact p_d."""
 
-    def __init__(self, model: Eagle3Model, target, num_draft_tokens: int | None = None):
+    def __init__(self, model: Eagle3Model, target: Target, num_draft_tokens: int | None = None):
         super().__init__(model, target, num_draft_tokens)
         self.begin([])
 

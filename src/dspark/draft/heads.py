@@ -10,9 +10,6 @@ load as they are; `LEGACY_NAMES` maps dspark's first names onto them.
 
 from __future__ import annotations
 
-import math
-from typing import Sequence
-
 import torch
 from torch import nn
 
@@ -88,14 +85,3 @@ class ConfidenceHead(nn.Module):
         """`prev_embed` (W1[prev], or None without a sequential head) is read only `with_markov`."""
         x = torch.cat([h, prev_embed.to(h.dtype)], dim=-1) if self.with_markov else h
         return self.proj(x).squeeze(-1)
-
-
-def prefix_survival(logits: Sequence[float], temperatures: Sequence[float] | None = None) -> list[float]:
-    """a_k = Π_{i≤k} σ(z_i / T_i) from raw confidence logits (T_i = 1 when not calibrated)."""
-    out, run = [], 1.0
-    for i, z in enumerate(logits):
-        t = temperatures[i] if temperatures and i < len(temperatures) else 1.0
-        x = z / t
-        run *= 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
-        out.append(run)
-    return out

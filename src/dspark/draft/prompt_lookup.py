@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from dspark.decode.sampling import SamplingParams
 from dspark.draft.base import DraftBlock, Drafter
 from dspark.errors import DsparkError
+from dspark.sampling import SamplingParams
 
 
 class PromptLookupDrafter(Drafter):

@@ -16,6 +16,7 @@ from typing import Iterable
 import torch
 
 from dspark.errors import DsparkError
+from dspark.model.target import Target
 
 
 def most_frequent(token_lists: Iterable[list[int]], size: int, vocab_size: int) -> torch.Tensor:
@@ -68,12 +69,12 @@ def check_ids(ids: torch.Tensor, vocab_size: int) -> None:
 class DraftHead:
     """Inference side: the drafter's LM head over its vocabulary and the map back to target ids."""
 
-    def __init__(self, ids: torch.Tensor | None, target):
+    def __init__(self, ids: torch.Tensor | None, target: Target):
         self.ids = ids  # None: the full target vocabulary
         self.vocab_size = target.cfg.vocab_size
         self._target_logits = target.model.logits
         if ids is not None:
-            from dspark.target.kernels import dense_kernel
+            from dspark.model.kernels import dense_kernel
 
             self._rows = dense_kernel(target.model.lm_head.detach()[ids].contiguous())
             self._id_list = ids.tolist()

@@ -14,6 +14,7 @@ import torch
 
 from dspark.decode.step import Round
 from dspark.eval.metrics import CALIBRATION_BINS, ece
+from dspark.model.target import Target
 
 GRID = torch.logspace(-1.5, 1.5, 241).tolist()  # T from ~0.03 to ~32
 MIN_CLASS = 5  # fewer accepted (or rejected) rounds than this at a position: keep the previous T
@@ -45,7 +46,7 @@ def fit_sts(rounds: Sequence[Round], positions: int, bins: int = CALIBRATION_BIN
     return temps
 
 
-def record_full_rounds(target, drafter, prompts: Sequence[str], max_new_tokens: int, params, seed: int = 0,
+def record_full_rounds(target: Target, drafter, prompts: Sequence[str], max_new_tokens: int, params, seed: int = 0,
                        progress: bool = True) -> list[Round]:
     """Rounds with every draft verified (the labels STS needs), prompt i sampled with seed + i."""
     from tqdm import tqdm

@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 from dspark.decode.generate import GenerationResult, GenerationStats
-from dspark.decode.sampling import SamplingParams
 from dspark.errors import DsparkError
+from dspark.sampling import SamplingParams
 from dspark.util.cache import cache_root
 
 FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 32: "BF16"}  # llama.cpp's general.file_type
@@ -42,7 +42,7 @@ def bf16_gguf(src: Path) -> Path:
 
 def llama_cpp_path(spec: str) -> Path:
     """`--llama-cpp` values: a GGUF path, 'embedded' (the embedded target's file) or 'embedded-bf16'."""
-    from dspark.target.loading import embedded_gguf_path
+    from dspark.model.loading import embedded_gguf_path
 
     if spec == "embedded":
         return embedded_gguf_path()
@@ -57,7 +57,7 @@ def llama_cpp_path(spec: str) -> Path:
 def _gguf_file_type(path: Path) -> int | None:
     """llama.cpp's `general.file_type` of a GGUF file (read by `gguf`: a llama.cpp probe would print
     context warnings)."""
-    from dspark.target.loading import read_gguf
+    from dspark.model.gguf_file import read_gguf
 
     field = read_gguf(path, "; --llama-cpp takes a .gguf model file").fields.get("general.file_type")
     return None if field is None else int(field.contents())

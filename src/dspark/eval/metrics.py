@@ -12,7 +12,7 @@ from typing import Iterable, Sequence
 import torch
 
 from dspark.decode.step import Round
-from dspark.draft.heads import prefix_survival
+from dspark.schedule.survival import prefix_survival
 
 
 def tau(rounds: Sequence[Round]) -> float:

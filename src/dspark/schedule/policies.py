@@ -275,6 +275,10 @@ class DSparkAsyncPolicy(DSparkPolicy):
         return out
 
 
+POLICY_NAMES = ("ar", "full", "fixed", "threshold", "dspark", "dspark-async")
+POLICIES = "ar | full | fixed:K | threshold:C | dspark | dspark-async"  # the spellings parse_policy reads
+
+
 def parse_policy(spec: str, sps: SPSTable | None = None) -> Policy:
     """ar | full | fixed:K | threshold:C | dspark | dspark-async."""
     name, _, arg = spec.partition(":")
@@ -288,28 +292,9 @@ def parse_policy(spec: str, sps: SPSTable | None = None) -> Policy:
         if name == "threshold":
             return ThresholdPolicy(float(arg))
     except ValueError:
-        raise DsparkError(f"bad policy {spec!r}: fixed:K takes an integer, threshold:C a number") from None
+        raise DsparkError(f"bad policy {spec!r}: fixed:K needs an integer, threshold:C needs a number") from None
     if name in ("dspark", "dspark-async") and not arg:
         if sps is None:
             raise DsparkError(f"policy {spec} needs an SPS table (run `dspark profile`)")
         return DSparkPolicy(sps) if name == "dspark" else DSparkAsyncPolicy(sps)
     raise DsparkError(f"unknown policy {spec!r}; choose ar, full, fixed:K, threshold:C, dspark or dspark-async")
-
-
-class AcceptanceEstimate:
-    """Running per-position conditional acceptance: the survivals of drafters without a confidence head."""
-
-    def __init__(self, positions: int, prior: float = 0.5, weight: float = 0.02):
-        self.alpha = [prior] * positions
-        self.weight = weight
-
-    def survivals(self, n: int) -> list[float]:
-        out, run = [], 1.0
-        for k in range(n):
-            run *= self.alpha[min(k, len(self.alpha) - 1)]
-            out.append(run)
-        return out
-
-    def update(self, verified: int, accepted: int) -> None:
-        for k in range(min(verified, accepted + 1, len(self.alpha))):
-            self.alpha[k] += self.weight * (float(k < accepted) - self.alpha[k])

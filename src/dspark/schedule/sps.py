@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dspark.decode.sampling import SamplingParams
 from dspark.errors import DsparkError
+from dspark.model.target import Target
+from dspark.model.transformer import RUNNER_VERSION
+from dspark.sampling import SamplingParams
 from dspark.schedule.policies import SPSTable
-from dspark.target.model import RUNNER_VERSION
 from dspark.util.cache import cache_root
 from dspark.util.files import atomic_write_text
 from dspark.util.journal import json_digest
@@ -35,7 +36,7 @@ def _machine() -> str:
     return platform.processor() or platform.machine()
 
 
-def fit_context(target, context: int, tokens: int) -> int:
+def fit_context(target: Target, context: int, tokens: int) -> int:
     """The profiling context clipped so that `context + tokens` fits the target's window."""
     room = target.model.max_positions - tokens
     if room < 1:
@@ -44,7 +45,7 @@ def fit_context(target, context: int, tokens: int) -> int:
     return min(context, room)
 
 
-def profile_key(target, max_tokens: int, context: int) -> dict:
+def profile_key(target: Target, max_tokens: int, context: int) -> dict:
     device = target.model.device
     return {
         "model": str(target.path),
@@ -62,7 +63,7 @@ def cache_file(key: dict, prefix: str = "") -> Path:
 
 
 @torch.inference_mode()
-def measure_sps(target, max_tokens: int = 64, context: int = 256, reps: int = 5, progress: bool = True) -> SPSTable:
+def measure_sps(target: Target, max_tokens: int = 64, context: int = 256, reps: int = 5, progress: bool = True) -> SPSTable:
     """Median steps/s of a B-token forward (+ LM head over the B positions) after `context` tokens,
     for B = 1..max_tokens; sizes are visited round-robin so machine drift hits all alike."""
     if max_tokens < 1 or context < 1:
@@ -88,7 +89,7 @@ def measure_sps(target, max_tokens: int = 64, context: int = 256, reps: int = 5,
     return SPSTable(tuple(1.0 / statistics.median(times[b]) for b in sorted(times)))
 
 
-def load_or_measure(target, max_tokens: int = 64, context: int = 256, reps: int = 5, force: bool = False,
+def load_or_measure(target: Target, max_tokens: int = 64, context: int = 256, reps: int = 5, force: bool = False,
                     progress: bool = True) -> tuple[SPSTable, Path, bool]:
     """The cached table for this setup, or a fresh measurement (then cached). Returns
     (table, cache path, whether it was measured now). The context is clipped to the target's window
@@ -104,7 +105,7 @@ def load_or_measure(target, max_tokens: int = 64, context: int = 256, reps: int 
     return table, path, True
 
 
-def cached_sps(target, max_tokens: int = 64, context: int = 256) -> SPSTable | None:
+def cached_sps(target: Target, max_tokens: int = 64, context: int = 256) -> SPSTable | None:
     """The cached table `load_or_measure` would return, or None when it would have to measure."""
     context = fit_context(target, context, max_tokens)
     key = profile_key(target, max_tokens, context)
@@ -133,7 +134,7 @@ def _write_cache(path: Path, data: dict) -> None:
 
 
 @torch.inference_mode()
-def measure_draft_cost(drafter, target, context: int = 256, reps: int = 10) -> float:
+def measure_draft_cost(drafter, target: Target, context: int = 256, reps: int = 10) -> float:
     """Median seconds of one drafting pass (`propose` of a full block) after `context` tokens."""
     model = target.model
     gen = torch.Generator().manual_seed(0)
@@ -153,7 +154,7 @@ def measure_draft_cost(drafter, target, context: int = 256, reps: int = 10) -> f
     return statistics.median(times)
 
 
-def load_or_measure_draft_cost(drafter, target, context: int = 256) -> float:
+def load_or_measure_draft_cost(drafter, target: Target, context: int = 256) -> float:
     """The cached draft-pass time of this drafter shape on this setup, or a fresh measurement.
     Cached (like SPS) so that decisions made from it, and seeded outputs, repeat run to run."""
     context = fit_context(target, context, drafter.block_size)

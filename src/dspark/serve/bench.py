@@ -14,16 +14,21 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dspark.decode.sampling import SamplingParams
-from dspark.draft.registry import drafter_digest, resolve_drafter_spec
+from dspark.decode.engine import Engine, Request
+from dspark.decode.speculation import (
+    drafter_digest,
+    engine_factory,
+    resolve_drafter_spec,
+)
+from dspark.model.loading import dtype_key
+from dspark.model.target import Target
+from dspark.sampling import SamplingParams
 from dspark.schedule.policies import parse_policy
-from dspark.serve.engine import Engine, Request, engine_factory
-from dspark.target.loading import dtype_key
 from dspark.util.journal import Journal, json_digest
 from dspark.util.plotting import pyplot
 
 
-def bench_serve(target, drafter_spec, policies: list[str], levels: list[int], prompts: list[str], requests_per_level: int,
+def bench_serve(target: Target, drafter_spec, policies: list[str], levels: list[int], prompts: list[str], requests_per_level: int,
                 max_new_tokens: int, sps, temperature: float = 0.0, progress: bool = True,
                 journal_path: Path | None = None) -> dict:
     """Every (concurrency, policy) cell. A level's requests run in up to four closed-loop chunks

@@ -19,11 +19,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from dspark.decode.sampling import SamplingParams
+from dspark.decode import engine as engine_mod
 from dspark.decode.streaming import TextStreamer
 from dspark.errors import DsparkError
-from dspark.serve import engine as engine_mod
-from dspark.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from dspark.model.target import Target
+from dspark.sampling import SamplingParams
+from dspark.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    validation_error,
+)
 from dspark.serve.service import EngineFailed, EngineService, Job, QueueFull
 
 POLL_S = 0.25  # how often a handler waiting for tokens checks whether its client is still there
@@ -41,7 +47,69 @@ class ClientGone(Exception):
     pass
 
 
-def create_app(target, service: EngineService, info: ServerInfo) -> FastAPI:
+class _Api:
+    """What the completion routes share: parsing a request body, and running one request on the engine."""
+
+    def __init__(self, target: Target, service: EngineService, info: ServerInfo):
+        self.target, self.service, self.info = target, service, info
+
+    async def parse(self, http: Request, model):
+        raw = await http.body()
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        try:
+            body = model.model_validate(data)
+        except ValidationError as e:
+            raise validation_error(e.errors()) from None
+        if body.model != self.info.model_name:
+            raise APIError(400, f"model: the model {body.model!r} does not exist; this server serves "
+                           f"{self.info.model_name!r} (GET /v1/models)", "model", "model_not_found")
+        return body
+
+    async def generate(self, http: Request, body, prompt_ids: list[int], prompt_field: str, limit_field: str,
+                       chat: bool):
+        n, window = len(prompt_ids), self.service.engine.max_len
+        if n > self.service.engine.max_prompt_len:
+            raise APIError(400, f"{prompt_field}: the prompt has {n} tokens; this model's context window is "
+                           f"{window} tokens (at most {self.service.engine.max_prompt_len} for the prompt)", prompt_field,
+                           "context_length_exceeded")
+        limit = body.token_limit if body.token_limit is not None else window - n
+        if n + limit > window:
+            raise APIError(400, f"{limit_field}: {limit} completion tokens plus the prompt's {n} exceed this model's "
+                           f"context window of {window} tokens (at most {window - n})", limit_field,
+                           "context_length_exceeded")
+        params = SamplingParams(body.temperature, max(body.top_k, 0), body.top_p)  # ranges checked by the protocol
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request = engine_mod.Request(prompt_ids, limit, params, seed=body.seed, stop=body.stop_strings, id=rid)
+        try:
+            job = self.service.submit(request)
+        except QueueFull as e:
+            raise APIError(429, str(e), code="rate_limit_exceeded", type="rate_limit_error",
+                           headers={"Retry-After": "1"}) from None
+        except EngineFailed as e:
+            raise APIError(503, str(e), type="server_error") from None
+        reply = _Reply(rid, chat, self.info, self.target, body, request)
+        if body.stream:
+            return _CancellingStream(reply.sse(_events(job, http)), lambda: self.service.cancel(job))
+        try:
+            async for _ in _events(job, http):
+                pass
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; the request is cancelled below
+        except DsparkError as e:
+            raise APIError(500, str(e), type="server_error") from None
+        finally:
+            self.service.cancel(job)
+        return reply.whole()
+
+
+def create_app(target: Target, service: EngineService, info: ServerInfo) -> FastAPI:
+    api = _Api(target, service, info)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
@@ -75,18 +143,18 @@ def create_app(target, service: EngineService, info: ServerInfo) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request):
-        body = await _parse(http, ChatCompletionRequest)
+        body = await api.parse(http, ChatCompletionRequest)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             prompt_ids = target.encode_chat(messages)
         except DsparkError as e:
             raise APIError(400, str(e), "messages") from None
         limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        return await _generate(http, body, prompt_ids, "messages", limit_field, chat=True)
+        return await api.generate(http, body, prompt_ids, "messages", limit_field, chat=True)
 
     @app.post("/v1/completions")
     async def completions(http: Request):
-        body = await _parse(http, CompletionRequest)
+        body = await api.parse(http, CompletionRequest)
         if isinstance(body.prompt, str):
             prompt_ids = target.tokenizer.encode(body.prompt, add_special_tokens=True)
         else:
@@ -95,59 +163,7 @@ def create_app(target, service: EngineService, info: ServerInfo) -> FastAPI:
             except DsparkError as e:
                 raise APIError(400, str(e), "prompt") from None
             prompt_ids = list(body.prompt)
-        return await _generate(http, body, prompt_ids, "prompt", "max_tokens", chat=False)
-
-    async def _parse(http: Request, model):
-        raw = await http.body()
-        try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        try:
-            body = model.model_validate(data)
-        except ValidationError as e:
-            raise validation_error(e.errors()) from None
-        if body.model != info.model_name:
-            raise APIError(400, f"model: the model {body.model!r} does not exist; this server serves "
-                           f"{info.model_name!r} (GET /v1/models)", "model", "model_not_found")
-        return body
-
-    async def _generate(http: Request, body, prompt_ids: list[int], prompt_field: str, limit_field: str, chat: bool):
-        n, window = len(prompt_ids), service.engine.max_len
-        if n > service.engine.max_prompt_len:
-            raise APIError(400, f"{prompt_field}: the prompt has {n} tokens; this model's context window is "
-                           f"{window} tokens (at most {service.engine.max_prompt_len} for the prompt)", prompt_field,
-                           "context_length_exceeded")
-        limit = body.token_limit if body.token_limit is not None else window - n
-        if n + limit > window:
-            raise APIError(400, f"{limit_field}: {limit} completion tokens plus the prompt's {n} exceed this model's "
-                           f"context window of {window} tokens (at most {window - n})", limit_field,
-                           "context_length_exceeded")
-        params = SamplingParams(body.temperature, max(body.top_k, 0), body.top_p)  # ranges checked by the protocol
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        request = engine_mod.Request(prompt_ids, limit, params, seed=body.seed, stop=body.stop_strings, id=rid)
-        try:
-            job = service.submit(request)
-        except QueueFull as e:
-            raise APIError(429, str(e), code="rate_limit_exceeded", type="rate_limit_error",
-                           headers={"Retry-After": "1"}) from None
-        except EngineFailed as e:
-            raise APIError(503, str(e), type="server_error") from None
-        reply = _Reply(rid, chat, info, target, body, request)
-        if body.stream:
-            return _CancellingStream(reply.sse(_events(job, http)), lambda: service.cancel(job))
-        try:
-            async for _ in _events(job, http):
-                pass
-        except ClientGone:
-            return Response(status_code=499)  # nobody reads it; the request is cancelled below
-        except DsparkError as e:
-            raise APIError(500, str(e), type="server_error") from None
-        finally:
-            service.cancel(job)
-        return reply.whole()
+        return await api.generate(http, body, prompt_ids, "prompt", "max_tokens", chat=False)
 
     return app
 
@@ -192,7 +208,7 @@ class _CancellingStream(StreamingResponse):
 class _Reply:
     """The response objects of one request, in OpenAI's chat.completion / text_completion shapes."""
 
-    def __init__(self, rid: str, chat: bool, info: ServerInfo, target, body, request):
+    def __init__(self, rid: str, chat: bool, info: ServerInfo, target: Target, body, request):
         self.rid, self.chat, self.info, self.target, self.body, self.request = rid, chat, info, target, body, request
         self.created = int(time.time())
 

@@ -19,8 +19,8 @@ import threading
 import time
 from typing import Callable
 
+from dspark.decode.engine import Engine, Request
 from dspark.errors import DsparkError
-from dspark.serve.engine import Engine, Request
 from dspark.serve.metrics import ServerMetrics
 
 log = logging.getLogger("dspark.serve")

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import random
 from pathlib import Path
-from typing import Iterator
 
 from dspark.errors import DsparkError
+from dspark.util.jsonl import read_jsonl
 
 _USER_ROLES = ("human", "user")
 
@@ -39,24 +38,6 @@ def _user_text(obj: dict) -> str | None:
         extra = obj.get("input") or ""
         return f"{obj['instruction']}\n\n{extra}" if extra.strip() else obj["instruction"]
     return None
-
-
-def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for every non-blank line; a malformed line is a clear error."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise DsparkError(f"data file {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DsparkError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise DsparkError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            yield lineno, obj
 
 
 def load_prompts(path: str | Path) -> list[Prompt]:

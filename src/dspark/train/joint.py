@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from dspark.errors import DsparkError
 from dspark.train.config import TrainConfig
-from dspark.train.stopping import StopRequest
+from dspark.train.interrupt import StopRequest
 from dspark.train.trainer import Trainer
 
 # what decides the batches, anchors and target outputs: drafters sharing a pass must agree on them
@@ -58,8 +58,7 @@ class JointTrainer:
     def train_step(self) -> list[dict]:
         lead = self.trainers[0]
         t0 = time.perf_counter()
-        targets = [lead.target_outputs(chunk, self.taps, self.slots)
-                   for chunk in lead.micro_batches(lead.global_batch(self.step))]
+        targets = [lead.target_pass(chunk, self.taps, self.slots) for chunk in lead.step_items(self.step)]
         recs = [t.train_step(targets) for t in self.trainers]
         step_s = time.perf_counter() - t0
         for r in recs:

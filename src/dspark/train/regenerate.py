@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dspark.decode.sampling import SamplingParams
+from dspark.decode.engine import Engine, Request
 from dspark.errors import DsparkError
+from dspark.model.loading import dtype_key
+from dspark.model.target import Target
+from dspark.sampling import SamplingParams
 from dspark.schedule.policies import ARPolicy
-from dspark.serve.engine import Engine, Request
-from dspark.target.loading import dtype_key
 from dspark.train.data import Prompt
 from dspark.train.shards import ShardStore
 from dspark.util.journal import read_records
@@ -88,7 +89,7 @@ class StoreSink:
             self.store.log_run(self.run_index, run)  # a resume that found nothing to do leaves no trace
 
 
-def regeneration_settings(target, params: SamplingParams, max_new_tokens: int, seed: int,
+def regeneration_settings(target: Target, params: SamplingParams, max_new_tokens: int, seed: int,
                           max_prompt_tokens: int) -> dict:
     """What a store's replies must share: appending replies made otherwise is refused. (The dtype
     may differ between runs, so that a store grows on CPUs with and without bf16 units; each run
@@ -97,7 +98,7 @@ def regeneration_settings(target, params: SamplingParams, max_new_tokens: int, s
             "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens}
 
 
-def open_sink(target, out_path: str | Path, settings: dict, shard_size: int = 1024):
+def open_sink(target: Target, out_path: str | Path, settings: dict, shard_size: int = 1024):
     out_path = Path(out_path).expanduser()
     if out_path.suffix == ".jsonl":
         return JsonlSink(out_path, target.decode)
@@ -105,7 +106,7 @@ def open_sink(target, out_path: str | Path, settings: dict, shard_size: int = 10
 
 
 def regenerate(
-    target,
+    target: Target,
     prompts: list[Prompt],
     out_path: str | Path,
     params: SamplingParams,

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.errors import DsparkError
-from dspark.target.config import TargetConfig
-from dspark.target.kernels import Dense, Packed, cpu_has_native_bf16, dense_kernel
+from dspark.model.config import TargetConfig
+from dspark.model.kernels import Dense, Packed, cpu_has_native_bf16, dense_kernel
 
 RUNNER_VERSION = 2  # bumped when a change moves the runner's speed; SPS profiles are cached per version
 
@@ -276,6 +276,43 @@ class TargetModel(nn.Module):
         qkv[:, :, : nh + nkv] = torch.view_as_real(rotated).flatten(-2)
         return qkv
 
+    def _fast_attention_inputs(self, x, layer, kern, cis, kvc, slots) -> torch.Tensor:
+        """The layer's queries [B, nh, q, hd]; its new keys / values written to `kvc` at `slots`
+        ((row 0's start when B = 1, else None), row index [B, 1], positions [B, q])."""
+        c = self.cfg
+        B, q, _ = x.shape
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        h = self._normed(x, None if kern.fold_norms else layer.input_norm)
+        qkv = self._fast_qkv(kern.qkv(h).view(B, q, nh + 2 * nkv, hd), layer, cis).transpose(1, 2)
+        qh, kv_new = qkv[:, :nh], qkv[:, nh:]
+        s, rows_idx, pos = slots
+        if s is not None:
+            kvc[0, :, s : s + q] = kv_new[0]
+        else:  # advanced-index assignment: CPU scatter_ has no fast bf16 kernel (~200x slower)
+            kvc[rows_idx, :, pos] = kv_new.transpose(1, 2)
+        return qh
+
+    def _reference_attention_inputs(self, x, layer, kern, cos, sin, kvc, slots) -> torch.Tensor:
+        """`_fast_attention_inputs` in HF's order of operations (the exact fp32 mode)."""
+        c = self.cfg
+        B, q, _ = x.shape
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+        qkv = kern.qkv(h).view(B, q, nh + 2 * nkv, hd).transpose(1, 2)
+        qk, vh = qkv.split((nh + nkv, nkv), dim=1)
+        if c.qk_norm:
+            qk = torch.cat([rms_norm(qk[:, :nh], layer.q_norm, c.rms_norm_eps),
+                            rms_norm(qk[:, nh:], layer.k_norm, c.rms_norm_eps)], dim=1)
+        qh, kh = apply_rope(qk, cos, sin).split((nh, nkv), dim=1)
+        s, rows_idx, pos = slots
+        if s is not None:
+            kvc[0, :nkv, s : s + q] = kh[0]
+            kvc[0, nkv:, s : s + q] = vh[0]
+        else:
+            kvc[rows_idx, :nkv, pos] = kh.transpose(1, 2)
+            kvc[rows_idx, nkv:, pos] = vh.transpose(1, 2)
+        return qh
+
     @torch.inference_mode()
     def forward(
         self,
@@ -321,30 +358,11 @@ class TargetModel(nn.Module):
         tapped = {-1: x} if -1 in tap_set else {}  # -1: the embedding output (DeepSpec's convention)
         for li, (layer, kern) in enumerate(zip(self.layers, self._kernels)):
             kvc = cache.kv[li]
+            slots = (int(start[0]) if single else None, rows_idx, pos)  # where the new K / V go
             if self.fast:
-                h = self._normed(x, None if kern.fold_norms else layer.input_norm)
-                qkv = self._fast_qkv(kern.qkv(h).view(B, q, nh + 2 * nkv, hd), layer, cis).transpose(1, 2)
-                qh, kv_new = qkv[:, :nh], qkv[:, nh:]
-                if single:
-                    s = int(start[0])
-                    kvc[0, :, s : s + q] = kv_new[0]
-                else:  # advanced-index assignment: CPU scatter_ has no fast bf16 kernel (~200x slower)
-                    kvc[rows_idx, :, pos] = kv_new.transpose(1, 2)
+                qh = self._fast_attention_inputs(x, layer, kern, cis, kvc, slots)
             else:
-                h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
-                qkv = kern.qkv(h).view(B, q, nh + 2 * nkv, hd).transpose(1, 2)
-                qk, vh = qkv.split((nh + nkv, nkv), dim=1)
-                if c.qk_norm:
-                    qk = torch.cat([rms_norm(qk[:, :nh], layer.q_norm, c.rms_norm_eps),
-                                    rms_norm(qk[:, nh:], layer.k_norm, c.rms_norm_eps)], dim=1)
-                qh, kh = apply_rope(qk, cos, sin).split((nh, nkv), dim=1)
-                if single:
-                    s = int(start[0])
-                    kvc[0, :nkv, s : s + q] = kh[0]
-                    kvc[0, nkv:, s : s + q] = vh[0]
-                else:
-                    kvc[rows_idx, :nkv, pos] = kh.transpose(1, 2)
-                    kvc[rows_idx, nkv:, pos] = vh.transpose(1, 2)
+                qh = self._reference_attention_inputs(x, layer, kern, cos, sin, kvc, slots)
             attn = self._attention(qh, kvc[:, :nkv, :kv_len], kvc[:, nkv:, :kv_len], mask, nkv != nh)
             x = x + kern.o(attn.transpose(1, 2).reshape(B, q, nh * hd))
             if self.fast:

@@ -16,12 +16,17 @@ from helpers import make_random_dspark, make_tiny_hf_model
 from safetensors.torch import load_file, save_file
 
 from dspark.decode.generate import Decoder
-from dspark.decode.sampling import SamplingParams
-from dspark.draft.checkpoint import export_drafter, load_drafter_checkpoint, load_model, save_drafter
+from dspark.draft.checkpoint import (
+    export_drafter,
+    load_drafter_checkpoint,
+    load_model,
+    save_drafter,
+)
 from dspark.draft.config import DraftConfig
 from dspark.draft.dspark import DSparkModel
 from dspark.errors import DsparkError
-from dspark.target.loading import load_target
+from dspark.model.loading import load_target
+from dspark.sampling import SamplingParams
 
 BLOCK, RANK, MASK = 4, 8, 3
 # (name, markov_head_type or None for rank 0, confidence_head_with_markov or None without the head, taps)

@@ -16,14 +16,14 @@ from helpers import (
     total_variation,
 )
 
+from dspark.decode.engine import Engine, Request
 from dspark.decode.generate import Decoder
-from dspark.decode.sampling import SamplingParams
 from dspark.draft.dspark import DSparkDrafter
 from dspark.draft.prompt_lookup import PromptLookupDrafter
 from dspark.errors import DsparkError
+from dspark.model.loading import load_target
+from dspark.sampling import SamplingParams
 from dspark.schedule.policies import SPSTable, parse_policy
-from dspark.serve.engine import Engine, Request
-from dspark.target.loading import load_target
 
 POLICIES = ["ar", "fixed:1", "fixed:4", "threshold:0.3", "dspark", "dspark-async"]
 SPS = SPSTable(tuple(100.0 / (1 + 0.06 * (b - 1)) for b in range(1, 129)))

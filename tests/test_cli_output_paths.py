@@ -8,7 +8,7 @@ import torch
 from helpers import EVAL_DIR, assert_clean_error, make_random_dspark, run_cli
 
 from dspark.draft.checkpoint import save_drafter
-from dspark.target.loading import load_target
+from dspark.model.loading import load_target
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,11 @@ import torch
 from helpers import eval_prompts, first_two_tokens_tv, make_random_eagle3
 
 from dspark.decode.generate import Decoder
-from dspark.decode.sampling import SamplingParams, probs_from_logits
+from dspark.decode.speculation import load_drafter
 from dspark.draft.checkpoint import save_drafter
 from dspark.draft.eagle3 import Eagle3Drafter
-from dspark.draft.registry import load_drafter
-from dspark.target.loading import load_target
+from dspark.model.loading import load_target
+from dspark.sampling import SamplingParams, probs_from_logits
 
 
 @pytest.fixture(scope="module")

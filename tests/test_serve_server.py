@@ -17,7 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import assert_clean_error, eval_prompts, make_random_dspark, make_tiny_hf_model, run_cli
+from helpers import (
+    assert_clean_error,
+    eval_prompts,
+    make_random_dspark,
+    make_tiny_hf_model,
+    run_cli,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from dspark.decode.streaming import TextStreamer
@@ -140,7 +146,7 @@ def tiny_dirs(tmp_path_factory):
     """(model dir, drafter dir): a tiny random Llama with SmolLM2's tokenizer, and a random DSpark
     drafter for it."""
     from dspark.draft.checkpoint import save_drafter
-    from dspark.target.loading import load_target, resolve_model_dir
+    from dspark.model.loading import load_target, resolve_model_dir
 
     root = tmp_path_factory.mktemp("serve")
     model_dir = make_tiny_hf_model("llama", root / "model", vocab=VOCAB, max_positions=WINDOW)
@@ -406,7 +412,7 @@ def test_serve_rejects_bad_arguments_before_loading(tmp_path):
     assert_clean_error(run_cli("serve", "--port", "70000"), "--port")
     assert_clean_error(run_cli("serve", "--drafter", "/no/such/drafter"), "drafter")
     assert_clean_error(run_cli("serve", "--policy", "fastest"), "policy")
-    assert_clean_error(run_cli("serve", "--drafter", "/tmp@full"), "--policy")
+    assert_clean_error(run_cli("serve", "--drafter", "/tmp@full", "--policy", "dspark"), "--policy")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()

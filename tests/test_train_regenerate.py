@@ -6,8 +6,8 @@ import pytest
 from helpers import assert_clean_error, run_cli
 
 from dspark.decode.generate import Decoder
-from dspark.decode.sampling import SamplingParams
 from dspark.errors import DsparkError
+from dspark.sampling import SamplingParams
 from dspark.train.data import Prompt, is_validation, load_prompts
 from dspark.train.regenerate import regenerate
 

@@ -9,9 +9,9 @@ import torch
 from helpers import assert_clean_error, make_tiny_hf_model, run_cli
 
 from dspark.decode.generate import Decoder
-from dspark.decode.sampling import SamplingParams
 from dspark.errors import DsparkError
-from dspark.target.loading import load_target
+from dspark.model.loading import load_target
+from dspark.sampling import SamplingParams
 from dspark.train.config import TrainConfig
 from dspark.train.data import Prompt, load_samples
 from dspark.train.regenerate import regenerate

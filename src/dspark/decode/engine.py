@@ -15,14 +15,14 @@ from typing import Callable
 
 import torch
 
-from dspark.decode.sampling import SamplingParams, new_generator
 from dspark.decode.step import DecodeStep, Round, Row, draft_budget
 from dspark.decode.stopping import StopChecker
 from dspark.draft.base import BatchDrafter, Drafter, PerRequestDrafters
 from dspark.errors import DsparkError
+from dspark.model.target import Target
+from dspark.sampling import SamplingParams, new_generator
 from dspark.schedule.policies import ARPolicy, Policy
 
-PROMPT_LOOKUP_DRAFTS = 8  # drafts per row of the engine's prompt-lookup drafter
 HEADROOM = 64  # extra cache columns for the padding of ragged verification rows (caps drafts per step)
 
 
@@ -68,7 +68,7 @@ class Engine:
 
     def __init__(
         self,
-        target,
+        target: Target,
         make_drafter: Callable[[], Drafter] | None = None,
         policy: Policy | None = None,
         max_batch: int = 8,
@@ -216,28 +216,3 @@ class Engine:
         self.cache.lengths[b] = 0
         if r.on_finish:
             r.on_finish(r)
-
-
-def engine_factory(target, drafter_spec: str | None, max_len: int | None = None):
-    """(make(policy, max_batch) -> Engine, drafter label, drafts per row at most) for a resolved
-    --drafter value (a PATH@RULE's rule is the policy's business, not read here). `max_len` bounds
-    each slot's context (the KV cache is allocated for max_batch x max_len up front)."""
-    from dspark.draft.dspark import DSparkModel, ModelDrafter
-    from dspark.draft.registry import load_drafter
-
-    drafter = load_drafter(drafter_spec, target) if drafter_spec not in (None, "none", "prompt-lookup") else None
-    model = drafter.model if isinstance(drafter, ModelDrafter) else None
-    if isinstance(model, DSparkModel):  # DSpark / DFlash: one batched drafting pass per step
-        return (lambda policy, c: Engine(target, policy=policy, max_batch=c, max_len=max_len, draft_model=model,
-                                         temperatures=drafter.temperatures)), drafter_spec, drafter.max_drafts
-    if drafter_spec == "prompt-lookup":
-        from dspark.draft.prompt_lookup import PromptLookupDrafter
-
-        return (lambda policy, c: Engine(target, lambda: PromptLookupDrafter(PROMPT_LOOKUP_DRAFTS), policy,
-                                         max_batch=c, max_len=max_len)), drafter_spec, PROMPT_LOOKUP_DRAFTS
-    if drafter is not None:  # EAGLE-3: one drafter per request, sharing the weights
-        from dspark.draft.checkpoint import wrap_drafter
-
-        return (lambda policy, c: Engine(target, lambda: wrap_drafter(model, target), policy, max_batch=c,
-                                         max_len=max_len)), drafter_spec, drafter.max_drafts
-    return (lambda policy, c: Engine(target, policy=policy, max_batch=c, max_len=max_len)), "none", 0

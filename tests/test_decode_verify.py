@@ -5,8 +5,8 @@ import torch
 from helpers import first_committed_tokens
 from helpers import tokens_tv as total_variation
 
-from dspark.decode.sampling import SamplingParams, probs_from_logits, sample
 from dspark.decode.verify import verify_chains
+from dspark.sampling import SamplingParams, probs_from_logits, sample
 
 CASES = [
     # (target logits, draft logits, params)
@@ -78,7 +78,7 @@ def test_invalid_sampling_params_are_rejected(kwargs):
 
 def test_nucleus_shortcut_equals_the_full_sort():
     """top-p through top-k candidates must keep exactly the tokens a full sort keeps."""
-    from dspark.decode.sampling import SamplingParams, probs_from_logits
+    from dspark.sampling import SamplingParams, probs_from_logits
 
     gen = torch.Generator().manual_seed(0)
     for scale in (0.3, 1.0, 4.0):  # flat rows need the 4096 tier or the full sort; peaked ones not

@@ -5,8 +5,8 @@ import torch
 from helpers import eval_prompts, first_two_tokens_tv, make_random_dspark
 
 from dspark.decode.generate import Decoder
-from dspark.decode.sampling import SamplingParams, probs_from_logits
-from dspark.target.loading import load_target
+from dspark.model.loading import load_target
+from dspark.sampling import SamplingParams, probs_from_logits
 
 HEADS = ["vanilla", "gated", "rnn", "none"]
 

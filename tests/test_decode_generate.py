@@ -5,8 +5,8 @@ import torch
 from helpers import RandomDrafter, eval_prompts
 
 from dspark.decode.generate import Decoder
-from dspark.decode.sampling import SamplingParams
 from dspark.draft.prompt_lookup import PromptLookupDrafter
+from dspark.sampling import SamplingParams
 
 DATASETS = ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
 PROMPTS = [p for name in DATASETS for p in eval_prompts(name, 2)]  # 10 prompts: 3 x 10 x 64 fp32 tokens, ~2 min
@@ -63,7 +63,7 @@ def test_low_precision_divergences_happen_only_at_near_ties(precision):
     """bf16 / q4 k-token and 1-token forwards round differently, so greedy speculative output may
     diverge from greedy AR in the same mode; every divergence must sit where that mode's top-2
     logits are within a few rounding steps (DESIGN.md §2). Anything else is a bug."""
-    from dspark.target.loading import load_target
+    from dspark.model.loading import load_target
 
     target = load_target(None, dtype=precision)
     ar, spec = Decoder(target), Decoder(target, PromptLookupDrafter(8))

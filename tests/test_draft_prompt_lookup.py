@@ -1,6 +1,6 @@
-from dspark.decode.sampling import SamplingParams
 from dspark.decode.stopping import StopChecker
 from dspark.draft.prompt_lookup import PromptLookupDrafter
+from dspark.sampling import SamplingParams
 
 G = SamplingParams()
 

@@ -5,7 +5,7 @@ Q4_0 (w = d * (q - 8)) and Q4_1 (w = d * q + m) blocks of 32 become `Int4` kerne
 mode adds). A Q8_0 LM head (w = d * q, q in -128..127, blocks of 32) becomes two int4 nibbles side by
 side, q = 16 * hi + lo: lo in 0..15 with scale d, zero 8d, and hi + 8 in 0..15 with scale 16d, zero 0,
 summed by one int4 product; PyTorch's int8 kernel has only per-row scales and measured slower.
-The embedding and norms are dequantised as `loading.py` does.
+The embedding and norms are dequantised as `gguf_file.py` does.
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dspark.target.kernels import Int4
+from dspark.errors import DsparkError
+from dspark.model.gguf_file import read_gguf, unpermute_qk
+from dspark.model.kernels import Int4, dense_kernel
+from dspark.model.transformer import QuantisedWeights, TargetModel
 
 BLOCK = 32
 INT4_TYPES = ("Q4_0", "Q4_1")
@@ -79,17 +82,10 @@ def int4_kernel(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], bi
     return Int4(q, scale, zero, BLOCK, bias)
 
 
-def quantised_weights(gguf_path, model):
+def quantised_weights(gguf_path, model: TargetModel) -> QuantisedWeights:
     """The q4 kernels of `model` (a bf16 `TargetModel` loaded from the same file) from its GGUF blocks."""
-    import gguf
-
-    from dspark.errors import DsparkError
-    from dspark.target.kernels import dense_kernel
-    from dspark.target.loading import _unpermute_qk
-    from dspark.target.model import QuantisedWeights
-
     c = model.cfg
-    tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
+    tensors = {t.name: t for t in read_gguf(gguf_path).tensors}
 
     def parts(name: str):
         t = tensors[name]
@@ -103,8 +99,8 @@ def quantised_weights(gguf_path, model):
     nq, nk = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     order = torch.arange(nq + 2 * nk)
     if c.family == "llama":
-        order = torch.cat([_unpermute_qk(order[:nq, None], c.num_attention_heads)[:, 0],
-                           _unpermute_qk(order[nq : nq + nk, None], c.num_key_value_heads)[:, 0], order[nq + nk :]])
+        order = torch.cat([unpermute_qk(order[:nq, None], c.num_attention_heads)[:, 0],
+                           unpermute_qk(order[nq : nq + nk, None], c.num_key_value_heads)[:, 0], order[nq + nk :]])
     order = model.interleave_qk_rows(order)
 
     layers = []

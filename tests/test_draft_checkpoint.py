@@ -7,13 +7,18 @@ import torch
 from helpers import make_random_dspark, make_tiny_hf_model, run_cli
 from safetensors.torch import load_file, save_file
 
-from dspark.decode.sampling import SamplingParams
+from dspark.decode import speculation
+from dspark.decode.speculation import load_drafter, load_speculation
 from dspark.draft import registry
-from dspark.draft.checkpoint import export_drafter, load_drafter_checkpoint, load_model, save_drafter
-from dspark.draft.registry import load_drafter
+from dspark.draft.checkpoint import (
+    export_drafter,
+    load_drafter_checkpoint,
+    load_model,
+    save_drafter,
+)
 from dspark.errors import DsparkError
-from dspark.schedule.rules import load_speculation
-from dspark.target.loading import load_target
+from dspark.model.loading import load_target
+from dspark.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -193,15 +198,15 @@ def test_auto_picks_the_bundled_drafter_of_the_target_else_prompt_lookup(tiny, t
     assert type(load_drafter("auto", llama)).__name__ == "PromptLookupDrafter"
     # auto@RULE: the bundled drafter with that rule; a bad rule fails before anything loads
     bundled = tmp_path / "bundled" / "q"
-    assert registry.resolve_drafter_spec("auto", qwen3) == f"{bundled}@dspark"
-    assert registry.resolve_drafter_spec("auto@full", qwen3) == f"{bundled}@full"
-    assert registry.resolve_drafter_spec("auto@threshold:0.4", qwen3) == f"{bundled}@threshold:0.4"
-    assert registry.resolve_drafter_spec("auto@full", llama) == "prompt-lookup"
-    registry.check_drafter_spec("auto@full")
+    assert speculation.resolve_drafter_spec("auto", qwen3) == f"{bundled}@dspark"
+    assert speculation.resolve_drafter_spec("auto@full", qwen3) == f"{bundled}@full"
+    assert speculation.resolve_drafter_spec("auto@threshold:0.4", qwen3) == f"{bundled}@threshold:0.4"
+    assert speculation.resolve_drafter_spec("auto@full", llama) == "prompt-lookup"
+    speculation.check_drafter_spec("auto@full")
     with pytest.raises(DsparkError, match="unknown verification rule"):
-        registry.check_drafter_spec("auto@fast")
+        speculation.check_drafter_spec("auto@fast")
     with pytest.raises(DsparkError, match="unknown verification rule"):
-        registry.resolve_drafter_spec("auto@fast", qwen3)
+        speculation.resolve_drafter_spec("auto@fast", qwen3)
     # same shapes, other weights: the probe tells them apart
     other = load_target(make_tiny_hf_model("qwen3", tmp_path / "other-qwen3", tie=True, seed=1), dtype=torch.float32,
                         require_tokenizer=False)

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
 from dspark.errors import DsparkError
-from dspark.target.kernels import FastLinear, Int4, StackedKernel, fast_linears
-from dspark.target.loading import load_target
-from dspark.target.quant import dequantise_int4, int4_kernel, int4_parts, q8_0_parts
+from dspark.model.kernels import FastLinear, Int4, StackedKernel, fast_linears
+from dspark.model.loading import load_target
+from dspark.model.quant import dequantise_int4, int4_kernel, int4_parts, q8_0_parts
 
 
 def gguf_tensor(w: np.ndarray, qtype: GGMLQuantizationType):

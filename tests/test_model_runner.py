@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dspark.target.loading import load_target
+from dspark.model.loading import load_target
 
 
 def hf_logits(model_dir, ids):

@@ -7,10 +7,10 @@ import torch
 from helpers import assert_clean_error, make_random_dspark, make_tiny_hf_model, run_cli
 
 from dspark.errors import DsparkError
+from dspark.model.loading import load_target
 from dspark.schedule.policies import parse_policy
 from dspark.schedule.simulator import simulate
 from dspark.schedule.sps import load_or_measure, parse_sps
-from dspark.target.loading import load_target
 
 SMOOTH = ",".join(f"{b}:{50 / (1 + 0.04 * (b - 1)):.3f}" for b in range(1, 81))
 # a jagged curve: kernel-size cliffs every 8 tokens, as CPU GEMM blocking produces
@@ -83,9 +83,9 @@ def test_profiles_fit_a_short_context_window(tmp_path, monkeypatch):
     record the clipped one, and `@dspark` decodes losslessly."""
 
     from dspark.decode.generate import Decoder
-    from dspark.decode.sampling import SamplingParams
+    from dspark.decode.speculation import load_drafter
     from dspark.draft.checkpoint import save_drafter
-    from dspark.draft.registry import load_drafter
+    from dspark.sampling import SamplingParams
 
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
     target = load_target(make_tiny_hf_model("llama", tmp_path / "short", max_positions=64), dtype=torch.float32,

