@@ -16,12 +16,7 @@ from helpers import make_random_dspark, make_tiny_hf_model
 from safetensors.torch import load_file, save_file
 
 from dspark.decode.generate import Decoder
-from dspark.draft.checkpoint import (
-    export_drafter,
-    load_drafter_checkpoint,
-    load_model,
-    save_drafter,
-)
+from dspark.draft.checkpoint import export_drafter, load_drafter_checkpoint, load_model, save_drafter
 from dspark.draft.config import DraftConfig
 from dspark.draft.dspark import DSparkModel
 from dspark.errors import DsparkError

@@ -20,12 +20,7 @@ from dspark.errors import DsparkError
 from dspark.model.loading import load_target
 from dspark.sampling import SamplingParams, probs_from_logits
 from dspark.schedule.policies import parse_policy
-from dspark.train.losses import (
-    TargetDist,
-    acceptance_sums,
-    greedy_acceptance_sums,
-    kd_loss_sums,
-)
+from dspark.train.losses import TargetDist, acceptance_sums, greedy_acceptance_sums, kd_loss_sums
 
 
 def test_mapping_round_trips_in_eagle3_convention():

@@ -209,12 +209,7 @@ def test_static_confidence_threshold_is_lossless_and_truncates(tiny_targets):
 def test_hardware_aware_rule_is_lossless_and_stops_where_throughput_stops_rising(tiny_targets, temperature, draft_s):
     """PATH@dspark for one request: verify d_k only while (1 + Σ a) / (t_draft + 1 / SPS(1 + ℓ)) still
     rises, and (with the gate) skip drafting in rounds where earlier rounds show it does not pay."""
-    from dspark.schedule.policies import (
-        DraftGate,
-        DSparkPolicy,
-        SPSTable,
-        dspark_lengths,
-    )
+    from dspark.schedule.policies import DraftGate, DSparkPolicy, SPSTable, dspark_lengths
 
     target = load_target(tiny_targets[0][1], dtype=torch.float32, require_tokenizer=False)
     sps = SPSTable((50.0, 45.0, 44.0, 30.0, 29.0, 28.0, 20.0))  # jagged: cliffs after 1 and 3 drafts

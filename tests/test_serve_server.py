@@ -17,13 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import (
-    assert_clean_error,
-    eval_prompts,
-    make_random_dspark,
-    make_tiny_hf_model,
-    run_cli,
-)
+from helpers import assert_clean_error, eval_prompts, make_random_dspark, make_tiny_hf_model, run_cli
 from prometheus_client.parser import text_string_to_metric_families
 
 from dspark.decode.streaming import TextStreamer

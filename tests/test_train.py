@@ -11,12 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import (
-    make_random_dspark,
-    make_tiny_hf_model,
-    make_tiny_regen_data,
-    start_cli,
-)
+from helpers import make_random_dspark, make_tiny_hf_model, make_tiny_regen_data, start_cli
 from safetensors.torch import load_file
 
 from dspark.errors import DsparkError

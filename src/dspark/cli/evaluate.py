@@ -94,11 +94,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from dspark.draft.checkpoint import (
-        convert_drafter,
-        load_drafter_checkpoint,
-        write_temperatures,
-    )
+    from dspark.draft.checkpoint import convert_drafter, load_drafter_checkpoint, write_temperatures
     from dspark.eval import metrics
     from dspark.eval.calibration import fit_sts, record_full_rounds
     from dspark.eval.prompts import load_eval_prompts

@@ -62,11 +62,7 @@ def _prompt_ids(text: str) -> list[int]:
 
 def cmd_generate(args) -> int:
     from dspark.decode.generate import Decoder
-    from dspark.decode.speculation import (
-        check_drafter_spec,
-        load_speculation,
-        with_policy,
-    )
+    from dspark.decode.speculation import check_drafter_spec, load_speculation, with_policy
     from dspark.decode.streaming import TextStreamer
     from dspark.model.loading import parse_dtype
     from dspark.sampling import SamplingParams

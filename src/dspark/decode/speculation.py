@@ -17,22 +17,10 @@ from dspark.draft.checkpoint import wrap_drafter
 from dspark.draft.dspark import DSparkModel
 from dspark.draft.layers import ModelDrafter
 from dspark.draft.prompt_lookup import PromptLookupDrafter
-from dspark.draft.registry import (
-    MODEL_FREE,
-    bundled_drafter,
-    checkpoint_digest,
-    load_named_drafter,
-)
+from dspark.draft.registry import MODEL_FREE, bundled_drafter, checkpoint_digest, load_named_drafter
 from dspark.errors import DsparkError
 from dspark.model.target import Target
-from dspark.schedule.policies import (
-    POLICIES,
-    POLICY_NAMES,
-    DSparkPolicy,
-    Policy,
-    SPSTable,
-    parse_policy,
-)
+from dspark.schedule.policies import POLICIES, POLICY_NAMES, DSparkPolicy, Policy, SPSTable, parse_policy
 from dspark.schedule.sps import load_or_measure, load_or_measure_draft_cost
 
 DRAFTER_CHOICES = "auto | none | prompt-lookup | PATH to a drafter checkpoint directory, each optionally @POLICY"

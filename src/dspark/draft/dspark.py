@@ -21,12 +21,7 @@ from torch import nn
 from dspark.draft.base import DraftBlock, token_picker
 from dspark.draft.config import DraftConfig
 from dspark.draft.heads import ConfidenceHead, SequentialHead
-from dspark.draft.layers import (
-    DraftLayer,
-    DraftModelBase,
-    ModelDrafter,
-    RMSNorm,
-)
+from dspark.draft.layers import DraftLayer, DraftModelBase, ModelDrafter, RMSNorm
 from dspark.model.target import Target
 from dspark.sampling import SamplingParams
 

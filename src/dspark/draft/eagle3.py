@@ -19,13 +19,7 @@ from torch import nn
 
 from dspark.draft.base import DraftBlock, token_picker
 from dspark.draft.config import DraftConfig
-from dspark.draft.layers import (
-    DraftAttention,
-    DraftMLP,
-    DraftModelBase,
-    ModelDrafter,
-    RMSNorm,
-)
+from dspark.draft.layers import DraftAttention, DraftMLP, DraftModelBase, ModelDrafter, RMSNorm
 from dspark.model.target import Target
 from dspark.sampling import SamplingParams
 

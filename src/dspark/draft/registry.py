@@ -8,11 +8,7 @@ import hashlib
 from pathlib import Path
 
 from dspark.draft.base import Drafter
-from dspark.draft.checkpoint import (
-    load_drafter_checkpoint,
-    read_config,
-    target_mismatches,
-)
+from dspark.draft.checkpoint import load_drafter_checkpoint, read_config, target_mismatches
 from dspark.draft.config import DraftConfig
 from dspark.draft.prompt_lookup import PromptLookupDrafter
 from dspark.model.target import Target

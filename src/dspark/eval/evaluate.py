@@ -13,12 +13,7 @@ import torch
 from tqdm import tqdm
 
 from dspark.decode.generate import Decoder
-from dspark.decode.speculation import (
-    drafter_digest,
-    load_speculation,
-    resolve_drafter_spec,
-    split_spec,
-)
+from dspark.decode.speculation import drafter_digest, load_speculation, resolve_drafter_spec, split_spec
 from dspark.decode.step import Round
 from dspark.draft import vocab
 from dspark.errors import DsparkError

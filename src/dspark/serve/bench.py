@@ -15,11 +15,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dspark.decode.engine import Engine, Request
-from dspark.decode.speculation import (
-    drafter_digest,
-    engine_factory,
-    resolve_drafter_spec,
-)
+from dspark.decode.speculation import drafter_digest, engine_factory, resolve_drafter_spec
 from dspark.model.loading import dtype_key
 from dspark.model.target import Target
 from dspark.sampling import SamplingParams

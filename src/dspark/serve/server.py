@@ -24,12 +24,7 @@ from dspark.decode.streaming import TextStreamer
 from dspark.errors import DsparkError
 from dspark.model.target import Target
 from dspark.sampling import SamplingParams
-from dspark.serve.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    validation_error,
-)
+from dspark.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from dspark.serve.service import EngineFailed, EngineService, Job, QueueFull
 
 POLL_S = 0.25  # how often a handler waiting for tokens checks whether its client is still there

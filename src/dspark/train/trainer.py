@@ -24,12 +24,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dspark.draft import vocab
-from dspark.draft.checkpoint import (
-    init_from_target,
-    load_model,
-    new_draft_config,
-    save_drafter,
-)
+from dspark.draft.checkpoint import init_from_target, load_model, new_draft_config, save_drafter
 from dspark.draft.dspark import DSparkModel
 from dspark.draft.eagle3 import Eagle3Model
 from dspark.errors import DsparkError
@@ -56,13 +51,7 @@ from dspark.train.losses import (
     position_weights,
     step_weights,
 )
-from dspark.train.passes import (
-    DrafterPass,
-    TargetPass,
-    clock,
-    drafter_pass,
-    target_pass,
-)
+from dspark.train.passes import DrafterPass, TargetPass, clock, drafter_pass, target_pass
 from dspark.util.files import atomic_write_text
 from dspark.util.journal import read_records
 
