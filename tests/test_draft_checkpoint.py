@@ -81,6 +81,29 @@ def test_export_writes_the_shared_tensors_and_still_loads(tiny, tmp_path):
     assert all(torch.equal(v, drafter.model.state_dict()[k]) for k, v in loaded.state_dict().items())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_export_of_a_reduced_vocabulary_drafter_keeps_every_tensor_intact(tiny, tmp_path, dtype):
+    """Each tensor in its own kind (floats in the checkpoint's float dtype, index maps as integers); the
+    LM head as the K draft rows (target ids d2t + arange(K)); loading back is bit-exact."""
+    target = tiny["llama-untied"]
+    drafter = make_random_dspark(target, "vanilla", block_size=4, draft_vocab=list(range(3, 128, 2)))
+    save_drafter(drafter.model, tmp_path / "d", target=target, dtype=dtype)
+    export_drafter(tmp_path / "d", target, tmp_path / "x")
+    tensors = load_file(tmp_path / "x" / "model.safetensors")
+    saved = load_file(tmp_path / "d" / "model.safetensors")
+    for name, t in tensors.items():
+        if name in ("d2t", "t2d"):
+            assert t.dtype == saved[name].dtype and not t.is_floating_point() and torch.equal(t, saved[name])
+        else:
+            assert t.dtype == dtype, name
+    rows = tensors["d2t"] + torch.arange(tensors["d2t"].numel())
+    assert rows.tolist() == list(range(3, 128, 2))
+    assert torch.equal(tensors["lm_head.weight"], target.model.lm_head[rows].to(dtype))
+    assert torch.equal(tensors["embed_tokens.weight"], target.model.embed_tokens.to(dtype))
+    loaded = load_model(tmp_path / "x", target)[0].state_dict()
+    assert all(torch.equal(v, load_model(tmp_path / "d", target)[0].state_dict()[k]) for k, v in loaded.items())
+
+
 def test_convert_to_bf16_keeps_config_and_calibration(tiny, tiny_targets, tmp_path):
     target = tiny["llama-untied"]
     drafter = make_random_dspark(target, "gated", block_size=4)

@@ -48,17 +48,22 @@ def add_parsers(sub) -> None:
     init.set_defaults(func=cmd_draft_init)
     exp = dsub.add_parser(
         "export",
-        help="copy a drafter in DeepSpec's layout (what vLLM loads) or the speculators package's",
+        help="copy a drafter for vLLM / DeepSpec, speculators, or llama.cpp (GGUF)",
         description="Copy a drafter checkpoint for other tools. --layout deepspec (default): DeepSpec's own "
         "layout (`Qwen3DSparkModel`, `model_type: qwen3`, the tensors plus copies of the target's "
-        "`embed_tokens.weight` and `lm_head.weight`), which vLLM and DeepSpec load. --layout speculators: the "
-        "`speculators` package's DSpark layout (the target's embedding and LM head are read back from the "
-        "target directory it names). dspark loads DeepSpec-layout checkpoints as they are.",
+        "`embed_tokens.weight` and `lm_head.weight`, the K draft rows of it for a reduced vocabulary), which vLLM "
+        "and DeepSpec load. --layout speculators: the `speculators` package's DSpark layout (the target's "
+        "embedding and LM head are read back from the target directory it names). --layout gguf: one GGUF file "
+        "that llama.cpp runs as a DSpark draft (`llama-server -m TARGET.gguf -md OUT --spec-type draft-dspark`), "
+        "the tokenizer copied from the target's GGUF (--model, default the embedded SmolLM2). dspark loads "
+        "DeepSpec-layout checkpoints as they are.",
     )
     exp.add_argument("--drafter", required=True, help="drafter checkpoint directory")
-    exp.add_argument("--out", required=True, help="output directory")
-    exp.add_argument("--layout", default="deepspec", choices=["deepspec", "speculators"],
+    exp.add_argument("--out", required=True, help="output directory (a .gguf file for --layout gguf)")
+    exp.add_argument("--layout", default="deepspec", choices=["deepspec", "speculators", "gguf"],
                      help="checkpoint layout to write (default deepspec)")
+    exp.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                     help="--layout gguf: the matrices' type (default: the checkpoint's)")
     target_args(exp, dtype=False)
     exp.set_defaults(func=cmd_draft_export)
     conv = dsub.add_parser(
@@ -139,13 +144,43 @@ def cmd_draft_init(args) -> int:
 
 
 def cmd_draft_export(args) -> int:
-
-    from dspark.draft.checkpoint import export_drafter
+    if args.layout == "gguf":
+        return _export_gguf(args)
+    if args.dtype:
+        raise DsparkError("--dtype applies to --layout gguf; `dspark draft convert` changes a checkpoint's dtype")
+    from dspark.draft.export import export_drafter
 
     check_writable(args.out)
     target = _fp32_target(args)
     out = export_drafter(args.drafter, target, args.out, args.layout)
     print(f"wrote {out} ({args.layout} layout)")
+    return 0
+
+
+def _export_gguf(args) -> int:
+    import torch
+
+    from dspark.draft.export_gguf import export_gguf, p_min_table
+    from dspark.model.loading import gguf_file_of
+
+    tokenizer = gguf_file_of(args.model)
+    if tokenizer is None:
+        raise DsparkError(f"--layout gguf copies the target's tokenizer from its GGUF file, and {args.model} is an "
+                          "HF directory: pass --model TARGET.gguf (llama.cpp's convert_hf_to_gguf.py makes one), "
+                          "or export --layout deepspec and convert that with convert_hf_to_gguf.py "
+                          "--target-model-dir TARGET_DIR")
+    if not args.out.endswith(".gguf"):
+        raise DsparkError(f"--layout gguf writes one file: give --out a name ending in .gguf, got {args.out!r}")
+    check_writable(args.out, kind="file")
+    target = _fp32_target(args)
+    done = export_gguf(args.drafter, target, tokenizer, args.out, getattr(torch, args.dtype) if args.dtype else None)
+    print(f"wrote {done.path}: {done.tensors} tensors, llama.cpp's `dflash` architecture; run it with\n"
+          f"  llama-server -m {tokenizer} -md {done.path} --spec-type draft-dspark")
+    if done.temperatures:
+        print("--spec-draft-p-min thresholds each slot's raw confidence σ(z_k) (0, its default, ignores the head); "
+              "dspark's calibrated confidence σ(z_k / T_k) >= c is raw >= (per block position):")
+        for c, raw in p_min_table(done.temperatures):
+            print(f"  c = {c}: " + " ".join(f"{x:.2f}" for x in raw))
     return 0
 
 

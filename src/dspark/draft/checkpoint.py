@@ -1,8 +1,8 @@
 """Drafter checkpoints: a directory with `config.json` + `model.safetensors` (DESIGN.md §8).
 
 The target's embedding and LM head are never stored (the drafter shares the target's), except by
-`export_drafter`, which adds the copies DeepSpec-style tools expect. Loading accepts those copies
-and drops them. Every load validates the drafter against the target it is meant to serve.
+an export (`export.py`), which adds the copies DeepSpec-style tools expect. Loading accepts those
+copies and drops them. Every load validates the drafter against the target it is meant to serve.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def new_draft_config(target: Target, **options) -> DraftConfig:
     return DraftConfig(target=target.cfg, **opts)
 
 
-def _write_dir(out: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+def write_checkpoint_dir(out: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
     with atomic_directory(out) as tmp:
         save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp / WEIGHTS, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -87,7 +87,7 @@ def save_drafter(
     config.update(extra or {})
     # only weights take `dtype`: the draft vocabulary's index maps (d2t / t2d) keep theirs
     tensors = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).cpu() for k, v in model.state_dict().items()}
-    _write_dir(Path(out), config, tensors)
+    write_checkpoint_dir(Path(out), config, tensors)
     return Path(out)
 
 
@@ -247,90 +247,5 @@ def convert_drafter(path: str | Path, target: Target, out: str | Path, dtype: to
     load_model(path, target)  # validates
     raw = dict(read_config(path), torch_dtype=str(dtype).removeprefix("torch."))
     tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(path / WEIGHTS).items()}
-    _write_dir(Path(out), raw, tensors)
-    return Path(out)
-
-
-EXPORT_LAYOUTS = ("deepspec", "speculators")
-_DSPARK_FIELDS = ("architectures", "model_type", "attention_bias", "layer_types", "block_size", "mask_token_id",
-                  "target_layer_ids", "num_target_layers", "num_hidden_layers", "markov_rank", "markov_head_type",
-                  "enable_confidence_head", "confidence_head_with_markov", "num_anchors", "dspark_target_model_type")
-
-
-def _deepspec_config(raw: dict, cfg: DraftConfig) -> dict:
-    """config.json as DeepSpec's `build_draft_config` writes it (dspark's own fields kept beside)."""
-    canonical = cfg.to_dict()  # Qwen3DSparkModel, model_type qwen3, layer_types, ... (DFlash mode included)
-    d = {**canonical, **raw}  # the checkpoint's own values first (a DeepSpec config stays as it was)
-    d.update({k: canonical[k] for k in _DSPARK_FIELDS if k in canonical}, tie_word_embeddings=False)
-    if not cfg.has_sequential_head:
-        d.pop("markov_head_type", None)
-    if not cfg.enable_confidence_head:
-        d.pop("confidence_head_with_markov", None)  # DeepSpec writes it only with the head
-    return d
-
-
-def _speculators_config(raw: dict, cfg: DraftConfig, target: Target) -> dict:
-    """config.json in the `speculators` package's DSpark layout: the draft layer as a Qwen3 config,
-    tapped layers as hidden-state indices (layer id + 1; the embedding output is 0), the verifier named."""
-    layer_keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                  "head_dim", "rope_theta", "rms_norm_eps", "max_position_embeddings", "hidden_act", "attention_bias",
-                  "bos_token_id", "eos_token_id", "layer_types")
-    layer = {k: raw[k] for k in layer_keys if k in raw}
-    layer.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], num_hidden_layers=cfg.num_hidden_layers,
-                 tie_word_embeddings=False)
-    verifier = target.cfg.to_hf_dict()
-    return {
-        "speculators_model_type": "dspark",
-        "architectures": ["DSparkSpeculator"],
-        "transformer_layer_config": layer,
-        "draft_vocab_size": cfg.draft_vocab_size or cfg.target.vocab_size,
-        "block_size": cfg.block_size,
-        "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
-        "mask_token_id": cfg.mask_token_id,
-        "sample_from_anchor": True,  # slot 0 is the anchor and predicts the next token (DeepSpec)
-        "markov_rank": cfg.head_rank,
-        "markov_head_type": cfg.markov_head_type if cfg.has_sequential_head else "vanilla",
-        "enable_confidence_head": cfg.enable_confidence_head,
-        "confidence_head_with_markov": cfg.confidence_head_with_markov,
-        "speculators_config": {
-            "algorithm": "dspark",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": str(target.path), "architectures": verifier["architectures"]},
-        },
-        "torch_dtype": raw.get("torch_dtype", "float32"),
-        **{k: raw[k] for k in ("dspark_target_model_type", "dspark_target_probe", "confidence_temperatures") if k in raw},
-    }
-
-
-def export_drafter(path: str | Path, target: Target, out: str | Path, layout: str = "deepspec") -> Path:
-    """Copy a checkpoint to `out` in another tool's layout.
-
-    deepspec: DeepSpec's own (what vLLM's `Qwen3DSparkModel` loads): the same tensors plus copies of
-    the target's embedding and LM head. speculators: the `speculators` package's DSpark layout (the
-    verifier's embedding and LM head are reloaded from the target's directory, not stored)."""
-    if layout not in EXPORT_LAYOUTS:
-        raise DsparkError(f"unknown export layout {layout!r}; choose one of {', '.join(EXPORT_LAYOUTS)}")
-    path = Path(path).expanduser()
-    model, raw = load_model(path, target)  # validates
-    cfg = model.cfg
-    if cfg.kind == "eagle3":
-        raise DsparkError(f"{path} is an EAGLE-3 drafter: only DSpark / DFlash drafters have a DeepSpec layout")
-    if cfg.draft_layer != "qwen3":
-        raise DsparkError(
-            f"{path} has {cfg.target.family}-style draft layers (no q/k norms): DeepSpec, vLLM and speculators "
-            "load only Qwen3-style DSpark / DFlash layers. Train a drafter made by `dspark draft init` "
-            "(Qwen3-style layers by default) to export it."
-        )
-    tensors = upgrade_legacy_names(load_file(path / WEIGHTS))
-    for name in SHARED_TENSORS:
-        tensors.pop(name, None)
-    dtype = next(iter(tensors.values())).dtype
-    if layout == "deepspec":
-        config = _deepspec_config(raw, cfg)
-        tensors["embed_tokens.weight"] = target.model.embed_tokens.detach().to(dtype).clone()
-        tensors["lm_head.weight"] = target.model.lm_head.detach().to(dtype).clone()  # a copy even when tied
-    else:
-        config = _speculators_config(raw, cfg, target)
-    _write_dir(Path(out), config, tensors)
+    write_checkpoint_dir(Path(out), raw, tensors)
     return Path(out)

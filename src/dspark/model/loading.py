@@ -49,12 +49,17 @@ def dtype_key(model: TargetModel) -> str:
     return QUANTISED if model.precision == QUANTISED else str(model.dtype)
 
 
-def gguf_source(spec: str | os.PathLike | None) -> Path:
-    """The GGUF file behind a --model value (the q4 mode reads its quantised blocks)."""
+def gguf_file_of(spec: str | os.PathLike | None) -> Path | None:
+    """The GGUF file a --model value names (the embedded SmolLM2's for none), None for an HF directory."""
     if spec is None or str(spec) == DEFAULT_MODEL:
         return embedded_gguf_path()
     path = Path(spec).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
+    return path if path.is_file() and path.suffix.lower() == ".gguf" else None
+
+
+def gguf_source(spec: str | os.PathLike | None) -> Path:
+    """The GGUF file behind a --model value (the q4 mode reads its quantised blocks)."""
+    if (path := gguf_file_of(spec)) is not None:
         return path
     raise DsparkError(f"--dtype q4 runs a GGUF file's quantised weights, and {spec} is not a .gguf file; "
                       f"pass a Q4_0 / Q4_1 GGUF, or use --dtype bfloat16 / float32")
