@@ -175,7 +175,7 @@ def _export_gguf(args) -> int:
     target = _fp32_target(args)
     done = export_gguf(args.drafter, target, tokenizer, args.out, getattr(torch, args.dtype) if args.dtype else None)
     print(f"wrote {done.path}: {done.tensors} tensors, llama.cpp's `dflash` architecture; run it with\n"
-          f"  llama-server -m {tokenizer} -md {done.path} --spec-type draft-dspark")
+          f"  llama-server -m {tokenizer} -md {done.path} --spec-type {done.spec_type}")
     if done.temperatures:
         print("--spec-draft-p-min thresholds each slot's raw confidence σ(z_k) (0, its default, ignores the head); "
               "dspark's calibrated confidence σ(z_k / T_k) >= c is raw >= (per block position):")

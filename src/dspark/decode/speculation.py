@@ -29,7 +29,7 @@ EngineFactory = Callable[[Policy, int], Engine]  # (policy, max_batch) -> Engine
 
 
 # ---- the grammar ------------------------------------------------------------------------------
-def parse_rule(rule: str, where: str = "") -> tuple[str, str]:
+def check_policy(rule: str, where: str = "") -> tuple[str, str]:
     """A policy spelling's (name, argument); a clear error names the spellings there are."""
     name, _, arg = rule.partition(":")
     if name not in POLICY_NAMES or (arg and name not in ("fixed", "threshold")):
@@ -46,7 +46,7 @@ def split_spec(spec: str, default: str = "full") -> tuple[str, str]:
     base, sep, rule = spec.rpartition("@")
     if not sep or Path(spec).exists():
         return spec, default
-    parse_rule(rule, f" in {spec!r}")
+    check_policy(rule, f" in {spec!r}")
     return base, rule
 
 
@@ -55,7 +55,7 @@ def with_policy(spec: str, policy: str | None) -> str:
     different is an error."""
     if policy is None or spec == "none":
         return spec
-    parse_rule(policy, " (--policy)")
+    check_policy(policy, " (--policy)")
     base, sep, rule = spec.rpartition("@")
     if sep and not Path(spec).exists():
         if rule != policy:
@@ -82,12 +82,12 @@ def resolve_drafter_spec(spec: str | None, target: Target, rule: str = "dspark")
         return spec
     if spec != "auto":
         rule = spec.removeprefix("auto@")
-        parse_rule(rule, f" in {spec!r}")
+        check_policy(rule, f" in {spec!r}")
     path = bundled_drafter(target)
     return f"{path}@{rule}" if path else "prompt-lookup"
 
 
-def spec_rule(spec: str | None) -> str:
+def spec_policy(spec: str | None) -> str:
     """The policy of a (resolved) --drafter value: DRAFTER@POLICY's POLICY, else full."""
     return split_spec(spec)[1] if spec not in (None, "none") else "full"
 
@@ -102,7 +102,7 @@ def drafter_digest(spec: str) -> str:
 
 # ---- loading ----------------------------------------------------------------------------------
 def load_drafter(spec: str | None, target: Target, num_draft_tokens: int | None = None) -> Drafter | None:
-    """The drafter a --drafter value names (its `@POLICY` is the policy's business: `spec_rule`)."""
+    """The drafter a --drafter value names (its `@POLICY` is the policy's business: `spec_policy`)."""
     spec = resolve_drafter_spec(spec, target)
     if spec is None:
         return None
@@ -116,17 +116,17 @@ def load_speculation(spec: str | None, target: Target, num_draft_tokens: int | N
     `auto` takes `auto_rule`."""
     spec = resolve_drafter_spec(spec, target, auto_rule)
     drafter = load_drafter(spec, target, num_draft_tokens)
-    return spec, drafter, rule_policy(spec_rule(spec), drafter, target, confidence_threshold)
+    return spec, drafter, request_policy(spec_policy(spec), drafter, target, confidence_threshold)
 
 
-def rule_policy(rule: str, drafter: Drafter | None, target: Target,
+def request_policy(rule: str, drafter: Drafter | None, target: Target,
                 confidence_threshold: float | None = None) -> Policy:
     """The single-request policy `rule` for `drafter` (None: plain AR) on `target`; the dspark policies
     count the drafter's own pass in each step's time. `confidence_threshold` (--confidence-threshold)
     is the policy threshold:C given apart."""
     if drafter is None:
         return parse_policy("ar")
-    name, arg = parse_rule(rule)
+    name, arg = check_policy(rule)
     if confidence_threshold is not None:
         if name == "threshold":
             raise DsparkError(f"the rule {rule!r} already sets a threshold; drop --confidence-threshold")

@@ -41,7 +41,7 @@ class Drafter(abc.ABC):
     max_drafts: int = 8
     #: per-position STS temperatures of the confidence logits (None: uncalibrated or no head).
     temperatures: list[float] | None = None
-    #: whether `propose` returns confidence logits (rules that read survivals need them).
+    #: whether `propose` returns confidence logits (policies that read survivals need them).
     has_confidence: bool = False
 
     @abc.abstractmethod

@@ -49,6 +49,7 @@ class GgufExport:
     path: Path
     tensors: int
     temperatures: list[float] | None  # STS calibration, which llama.cpp does not apply
+    spec_type: str  # llama.cpp's --spec-type for it: draft-dspark, or draft-dflash without a Markov head
 
 
 def gguf_name(name: str) -> str:
@@ -98,7 +99,8 @@ def export_gguf(path: str | Path, target: Target, tokenizer_gguf: Path, out: str
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-    return GgufExport(out, len(tensors) + (d2t is not None), read_config(path).get("confidence_temperatures"))
+    return GgufExport(out, len(tensors) + (d2t is not None), read_config(path).get("confidence_temperatures"),
+                      "draft-dspark" if cfg.has_sequential_head else "draft-dflash")
 
 
 def _check_llama_cpp_runs(path: Path, cfg: DraftConfig) -> None:
