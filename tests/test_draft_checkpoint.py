@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 from dspark.decode import speculation
 from dspark.decode.speculation import load_drafter, load_speculation
 from dspark.draft import registry
-from dspark.draft.checkpoint import export_drafter, load_drafter_checkpoint, load_model, save_drafter
+from dspark.draft.checkpoint import load_drafter_checkpoint, load_model, save_drafter
+from dspark.draft.export import export_drafter
 from dspark.errors import DsparkError
 from dspark.model.loading import load_target
 from dspark.sampling import SamplingParams

@@ -16,9 +16,10 @@ from helpers import make_random_dspark, make_tiny_hf_model
 from safetensors.torch import load_file, save_file
 
 from dspark.decode.generate import Decoder
-from dspark.draft.checkpoint import export_drafter, load_drafter_checkpoint, load_model, save_drafter
+from dspark.draft.checkpoint import load_drafter_checkpoint, load_model, save_drafter
 from dspark.draft.config import DraftConfig
 from dspark.draft.dspark import DSparkModel
+from dspark.draft.export import export_drafter
 from dspark.errors import DsparkError
 from dspark.model.loading import load_target
 from dspark.sampling import SamplingParams
