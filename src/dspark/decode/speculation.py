@@ -120,7 +120,7 @@ def load_speculation(spec: str | None, target: Target, num_draft_tokens: int | N
 
 
 def request_policy(rule: str, drafter: Drafter | None, target: Target,
-                confidence_threshold: float | None = None) -> Policy:
+                   confidence_threshold: float | None = None) -> Policy:
     """The single-request policy `rule` for `drafter` (None: plain AR) on `target`; the dspark policies
     count the drafter's own pass in each step's time. `confidence_threshold` (--confidence-threshold)
     is the policy threshold:C given apart."""

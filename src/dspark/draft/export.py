@@ -77,6 +77,16 @@ def shared_copies(model: DSparkModel, target: Target, dtype: torch.dtype) -> dic
             "lm_head.weight": (head if ids is None else head[ids.to(head.device)]).to(dtype).clone()}  # a copy even when tied
 
 
+def exportable(path: Path, target: Target) -> tuple[DSparkModel, dict, dict[str, torch.Tensor]]:
+    """(model, raw config, stored tensors without the shared copies) of a checkpoint other tools can load."""
+    model, raw = load_model(path, target)  # validates against the target
+    check_exportable(path, model.cfg)
+    tensors = upgrade_legacy_names(load_file(path / WEIGHTS))
+    for name in SHARED_TENSORS:
+        tensors.pop(name, None)
+    return model, raw, tensors
+
+
 def check_exportable(path: Path, cfg: DraftConfig) -> None:
     """Other tools run DSpark / DFlash drafters with Qwen3-style draft layers only."""
     if cfg.kind == "eagle3":
@@ -97,12 +107,7 @@ def export_drafter(path: str | Path, target: Target, out: str | Path, layout: st
     verifier's embedding and LM head are reloaded from the target's directory, not stored)."""
     if layout not in EXPORT_LAYOUTS:
         raise DsparkError(f"unknown export layout {layout!r}; choose one of {', '.join(EXPORT_LAYOUTS)}")
-    path = Path(path).expanduser()
-    model, raw = load_model(path, target)  # validates
-    check_exportable(path, model.cfg)
-    tensors = upgrade_legacy_names(load_file(path / WEIGHTS))
-    for name in SHARED_TENSORS:
-        tensors.pop(name, None)
+    model, raw, tensors = exportable(Path(path).expanduser(), target)
     if layout == "deepspec":
         config = _deepspec_config(raw, model.cfg)
         tensors.update(shared_copies(model, target, tensors["fc.weight"].dtype))

@@ -18,12 +18,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
-from dspark.draft.checkpoint import SHARED_TENSORS, WEIGHTS, load_model, read_config
 from dspark.draft.config import DraftConfig
-from dspark.draft.export import check_exportable, shared_copies
-from dspark.draft.heads import upgrade_legacy_names
+from dspark.draft.export import exportable, shared_copies
 from dspark.errors import DsparkError
 from dspark.model.gguf_file import read_gguf
 from dspark.model.target import Target
@@ -66,13 +63,10 @@ def export_gguf(path: str | Path, target: Target, tokenizer_gguf: Path, out: str
     """Write the drafter at `path` to the GGUF file `out`, matrices in `dtype` (default: the checkpoint's),
     with the tokenizer of `tokenizer_gguf` (the target's own GGUF file)."""
     path = Path(path).expanduser()
-    model, raw = load_model(path, target)  # validates against the target
+    model, raw, tensors = exportable(path, target)
     cfg = model.cfg
-    check_exportable(path, cfg)
     _check_llama_cpp_runs(path, cfg)
-    tensors = upgrade_legacy_names(load_file(path / WEIGHTS))
-    for name in (*SHARED_TENSORS, "t2d"):  # t2d: not read at run time
-        tensors.pop(name, None)
+    tensors.pop("t2d", None)  # not read at run time
     dtype = dtype or tensors["fc.weight"].dtype
     if dtype not in FILE_TYPES:
         raise DsparkError(f"a GGUF export takes float32, float16 or bfloat16 weights, not {dtype}")
@@ -99,7 +93,7 @@ def export_gguf(path: str | Path, target: Target, tokenizer_gguf: Path, out: str
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-    return GgufExport(out, len(tensors) + (d2t is not None), read_config(path).get("confidence_temperatures"),
+    return GgufExport(out, len(tensors) + (d2t is not None), raw.get("confidence_temperatures"),
                       "draft-dspark" if cfg.has_sequential_head else "draft-dflash")
 
 
