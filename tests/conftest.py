@@ -18,3 +18,27 @@ def tiny_targets(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     specs = [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", True)]
     return [(f"{fam}-{'tied' if tie else 'untied'}", make_tiny_hf_model(fam, root / f"{fam}{tie}", tie=tie)) for fam, tie in specs]
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """(model dir, drafter dir) for server tests: a tiny random Llama with SmolLM2's tokenizer (it
+    speaks through the real tokenizer and chat template, fast, and never stops early), and a random
+    DSpark drafter for it."""
+    import shutil
+
+    from helpers import make_random_dspark, make_tiny_hf_model
+    from serving import VOCAB, WINDOW
+
+    from dspark.draft.checkpoint import save_drafter
+    from dspark.model.loading import load_target, resolve_model_dir
+
+    root = tmp_path_factory.mktemp("serve")
+    model_dir = make_tiny_hf_model("llama", root / "model", vocab=VOCAB, max_positions=WINDOW)
+    smollm2 = resolve_model_dir(None)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (smollm2 / f).is_file():
+            shutil.copy(smollm2 / f, model_dir / f)
+    target = load_target(model_dir, dtype=torch.float32)
+    drafter = make_random_dspark(target, "vanilla", block_size=4, std=0.3)
+    return model_dir, save_drafter(drafter.model, root / "drafter", target)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import errno
+import os
 import signal
 import socket
 import sys
 
 from dspark.cli.common import POLICIES, open_target, positive_int, target_args
 from dspark.errors import DsparkError
+
+BYTES_PER_TOKEN = 256  # --max-request-bytes default per token of the window: text at ~4 bytes a token, escaped
 
 
 def add_parsers(sub) -> None:
@@ -40,6 +43,19 @@ def add_parsers(sub) -> None:
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model directory's name, or smollm2)")
+    s.add_argument("--api-key", default=os.environ.get("DSPARK_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on every /v1 route (401 otherwise); /health and /metrics "
+                   "stay open. Default: $DSPARK_API_KEY, else no key")
+    s.add_argument("--max-request-bytes", type=positive_int, default=None,
+                   help=f"largest request body accepted; larger ones get 413 before they are read (default "
+                   f"{BYTES_PER_TOKEN} bytes per token of the context window: 1 MiB for 4096 tokens)")
+    s.add_argument("--read-timeout", type=float, default=20.0,
+                   help="seconds a client has to send a request's head, and then its body; a stalled head closes the "
+                   "connection, a stalled body gets 408 (default 20)")
+    s.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection is held between requests (default 5)")
+    s.add_argument("--max-connections", type=positive_int, default=512,
+                   help="open connections and requests in progress at most; beyond it requests get 503 (default 512)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown before they are cancelled (default 30)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -119,16 +135,20 @@ def cmd_serve(args) -> int:
     from dspark.model.loading import DEFAULT_MODEL, parse_dtype
     from dspark.schedule.policies import parse_policy
     from dspark.schedule.sps import cached_sps, load_or_measure
+    from dspark.serve.connections import with_head_timeout
     from dspark.serve.metrics import ServerMetrics
-    from dspark.serve.server import ServerInfo, create_app
+    from dspark.serve.server import Access, ServerInfo, create_app
     from dspark.serve.service import EngineService
 
     # validate everything cheap before loading the model
     drafter, policy = split_spec(with_policy(args.drafter, args.policy), default="dspark")
     check_drafter_spec(drafter)
     parse_dtype(args.dtype)
-    if args.shutdown_timeout < 0:
-        raise DsparkError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    for flag in ("shutdown_timeout", "read_timeout", "keep_alive_timeout"):
+        if not getattr(args, flag) >= 0:
+            raise DsparkError(f"--{flag.replace('_', '-')} must be >= 0 seconds, got {getattr(args, flag)}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise DsparkError("--api-key (or DSPARK_API_KEY) is empty; give a key or leave it unset")
     _check_port(args.host, args.port)
 
     target = open_target(args)
@@ -155,11 +175,13 @@ def cmd_serve(args) -> int:
         metrics.set_sps(sps.values)
     service = EngineService(engine, metrics, args.max_waiting)
     info = ServerInfo(name, drafter_label, policy_name)
-    app = create_app(target, service, info)
+    access = Access(args.api_key, args.max_request_bytes or BYTES_PER_TOKEN * engine.max_len, args.read_timeout)
+    app = create_app(target, service, info, access)
     print(f"[dspark] serving {name!r} on http://{args.host}:{args.port}/v1 — drafter {drafter_label}, policy "
           f"{policy_name}, {args.max_batch} rows x {engine.max_len} tokens, "
-          f"{target.model.precision}", file=sys.stderr, flush=True)
+          f"{target.model.precision}{', API key required' if args.api_key else ''}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+                            http=with_head_timeout(args.read_timeout), timeout_keep_alive=args.keep_alive_timeout,
+                            limit_concurrency=args.max_connections, timeout_graceful_shutdown=args.shutdown_timeout)
     run_beside(uvicorn.Server(config), service)
     return 0

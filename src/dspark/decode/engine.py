@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from typing import Callable
 
@@ -22,6 +23,8 @@ from dspark.errors import DsparkError
 from dspark.model.target import Target
 from dspark.sampling import SamplingParams, new_generator
 from dspark.schedule.policies import ARPolicy, Policy
+
+log = logging.getLogger("dspark.engine")
 
 HEADROOM = 64  # extra cache columns for the padding of ragged verification rows (caps drafts per step)
 
@@ -41,6 +44,7 @@ class Request:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    error: Exception | None = None  # what failed it (finish reason "error")
     rounds: list[Round] = dataclasses.field(default_factory=list)
     submitted_at: float = 0.0
     first_token_at: float = 0.0
@@ -152,30 +156,47 @@ class Engine:
         self.waiting = [r for r in self.waiting if r is not request]
         request.finish_reason = "abort"
         request.finished_at = time.perf_counter()
-        if request.on_finish:
-            request.on_finish(request)
+        self._notify(request)
         return True
 
     def run(self, requests: list[Request]) -> list[Request]:
+        """Decode `requests` to the end; a request that fails raises its error here."""
         for r in requests:
             self.submit(r)
         while self.has_work():
             self.step()
+            failed = next((r for r in requests if r.error is not None), None)
+            if failed is not None:
+                raise failed.error
         return requests
 
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> None:
+        """Admit waiting requests, then one decode step over the rows. A failure while handling one
+        request (its prefill, its tokens) fails that request alone; a failure of the batched forward
+        fails the requests of that step; either way the engine goes on with the rest."""
         self._admit()
         active = [s for s in self.slots if s is not None]
         if not active:
             return
         for s in active:
             s.row.budget = self._budget(s)
-        for s, result in zip(active, self.decode_step(self.cache, [s.row for s in active])):
-            s.request.rounds.append(result.round)
-            s.row.anchor = result.tokens[-1]
-            self._emit(s, result.tokens)
+        try:
+            results = self.decode_step(self.cache, [s.row for s in active])
+        except Exception as e:
+            log.exception("a decode step over %d requests failed; failing them", len(active))
+            for s in active:
+                self._fail(s.request, s.row.index, e)
+            return
+        for s, result in zip(active, results):
+            try:
+                s.request.rounds.append(result.round)
+                s.row.anchor = result.tokens[-1]
+                self._emit(s, result.tokens)
+            except Exception as e:
+                log.exception("request %s failed", s.request.id)
+                self._fail(s.request, s.row.index, e)
 
     def _budget(self, s: _Slot) -> int:
         room = self.max_len - int(self.cache.lengths[s.row.index])
@@ -186,7 +207,12 @@ class Engine:
     def _admit(self) -> None:
         for b in range(self.max_batch):
             if self.slots[b] is None and self.waiting:
-                self._prefill(b, self.waiting.pop(0))
+                r = self.waiting.pop(0)
+                try:
+                    self._prefill(b, r)
+                except Exception as e:
+                    log.exception("request %s failed in its prefill", r.id)
+                    self._fail(r, b, e)
 
     def _prefill(self, b: int, r: Request) -> None:
         row = self.decode_step.start(self.cache, b, r.prompt_ids, r.params, r.generator or new_generator(r.seed))
@@ -206,6 +232,24 @@ class Engine:
         if s.checker.done:
             self._finish(s)
 
+    def _fail(self, r: Request, row: int, error: Exception) -> None:
+        """End `r` with finish reason "error" (its `error` says why) and free its row."""
+        slot = self.slots[row]
+        if slot is not None and slot.request is r:
+            r.token_ids = slot.checker.token_ids
+            self.slots[row] = None
+        self.cache.lengths[row] = 0
+        r.error, r.finish_reason, r.finished_at = error, "error", time.perf_counter()
+        self._notify(r)
+
+    @staticmethod
+    def _notify(r: Request) -> None:
+        if r.on_finish:
+            try:
+                r.on_finish(r)
+            except Exception:
+                log.exception("request %s: its on_finish callback failed", r.id)
+
     def _finish(self, s: _Slot) -> None:
         r, b = s.request, s.row.index
         r.token_ids = s.checker.token_ids
@@ -214,5 +258,4 @@ class Engine:
         r.finished_at = time.perf_counter()
         self.slots[b] = None
         self.cache.lengths[b] = 0
-        if r.on_finish:
-            r.on_finish(r)
+        self._notify(r)

@@ -6,10 +6,13 @@ silently gets something other than what it asked for."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+MAX_JSON_DEPTH = 32  # an OpenAI body nests 4 deep (messages[].content[].text); deeper is refused with 400
 
 Probability = Annotated[float, Field(gt=0.0, le=1.0)]
 
@@ -104,6 +107,38 @@ class CompletionRequest(_Sampling):
     @property
     def token_limit(self) -> int:
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
+
+
+def parse_body(raw: bytes, model: type[_Body]) -> _Body:
+    """The request body `raw` as `model`, or an APIError (400) that names what is wrong."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        data = None
+    if data is None or _depth(data) > MAX_JSON_DEPTH:
+        raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def _depth(value) -> int:
+    """How deeply JSON `value` nests (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            if depth > MAX_JSON_DEPTH:
+                break
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 # ---- errors ---------------------------------------------------------------------------------------

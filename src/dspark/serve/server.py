@@ -16,7 +16,6 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from dspark.decode import engine as engine_mod
@@ -24,7 +23,9 @@ from dspark.decode.streaming import TextStreamer
 from dspark.errors import DsparkError
 from dspark.model.target import Target
 from dspark.sampling import SamplingParams
-from dspark.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from dspark.serve.guard import RequestGuard
+from dspark.serve.openapi import completion_route, install_schema
+from dspark.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 from dspark.serve.service import EngineFailed, EngineService, Job, QueueFull
 
 POLL_S = 0.25  # how often a handler waiting for tokens checks whether its client is still there
@@ -49,17 +50,7 @@ class _Api:
         self.target, self.service, self.info = target, service, info
 
     async def parse(self, http: Request, model):
-        raw = await http.body()
-        try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        try:
-            body = model.model_validate(data)
-        except ValidationError as e:
-            raise validation_error(e.errors()) from None
+        body = parse_body(await http.body(), model)
         if body.model != self.info.model_name:
             raise APIError(400, f"model: the model {body.model!r} does not exist; this server serves "
                            f"{self.info.model_name!r} (GET /v1/models)", "model", "model_not_found")
@@ -102,7 +93,16 @@ class _Api:
         return reply.whole()
 
 
-def create_app(target: Target, service: EngineService, info: ServerInfo) -> FastAPI:
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """Who may call the server and how much a request may bring (serve/guard.py)."""
+
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    read_timeout: float = 20.0
+
+
+def create_app(target: Target, service: EngineService, info: ServerInfo, access: Access = Access()) -> FastAPI:
     api = _Api(target, service, info)
 
     @contextlib.asynccontextmanager
@@ -111,6 +111,9 @@ def create_app(target: Target, service: EngineService, info: ServerInfo) -> Fast
         service.stop()  # uvicorn has finished (or timed out) the in-flight requests: end the engine loop
 
     app = FastAPI(title="dspark", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(RequestGuard, api_key=access.api_key, max_body_bytes=access.max_body_bytes,
+                       read_timeout=access.read_timeout)
+    install_schema(app, info.model_name)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -136,7 +139,7 @@ def create_app(target: Target, service: EngineService, info: ServerInfo) -> Fast
                                             "owned_by": "dspark", "root": str(target.path),
                                             "max_model_len": service.engine.max_len}]}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **completion_route(ChatCompletionRequest))
     async def chat_completions(http: Request):
         body = await api.parse(http, ChatCompletionRequest)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -147,7 +150,7 @@ def create_app(target: Target, service: EngineService, info: ServerInfo) -> Fast
         limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         return await api.generate(http, body, prompt_ids, "messages", limit_field, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **completion_route(CompletionRequest))
     async def completions(http: Request):
         body = await api.parse(http, CompletionRequest)
         if isinstance(body.prompt, str):

@@ -34,6 +34,10 @@ class EngineFailed(DsparkError):
     """The engine loop stopped on an error: answer 500 / 503."""
 
 
+class RequestFailed(DsparkError):
+    """One request failed in the engine (the others go on): answer 500."""
+
+
 @dataclasses.dataclass(eq=False)
 class Job:
     """A request as the server tracks it; `events` receives token-id lists, then None at the end
@@ -174,7 +178,9 @@ class EngineService:
         self.metrics.e2e.observe(time.perf_counter() - job.arrived)
         with self._lock:
             self._jobs.discard(job)
-        job.push(None)
+        error = job.request.error
+        job.push(None if error is None else RequestFailed(f"the request failed in the engine ({type(error).__name__}: "
+                                                          f"{error}); other requests are unaffected"))
 
     def _leave_queue(self, job: Job) -> None:
         job.queued = False
