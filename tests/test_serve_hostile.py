@@ -4,7 +4,6 @@ while others run beside it."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -157,3 +156,26 @@ def test_a_request_failing_in_the_engine_leaves_the_others_exact(tiny_dirs):
         assert m[("dspark:kv_cache_usage_perc", ())] == 0
     finally:
         assert server.stop() == 0
+
+
+def test_fuzzing_the_published_schema_finds_nothing(tiny_dirs):
+    """Schemathesis against GET /openapi.json, every check but positive-data acceptance (a prompt's
+    tokens plus its limit must fit the window, which no schema says), on a 256-token window: no 5xx,
+    every response (status, content type, body, SSE events) as documented, no traceback logged."""
+    import subprocess
+    import sys
+
+    server = Server("--model", str(tiny_dirs[0]), "--drafter", str(tiny_dirs[1]), "--policy", "full", "--dtype",
+                    "float32", "--max-batch", "4", "--max-model-len", "256", "--served-model-name", "tiny",
+                    "--api-key", KEY)
+    try:
+        done = subprocess.run([Path(sys.executable).with_name("schemathesis"), "run", f"{server.url}/openapi.json",
+                               "--checks", "all", "--exclude-checks", "positive_data_acceptance", "--max-examples",
+                               "25", "--seed", "48", "--workers", "2", "--request-timeout", "60", "-H",
+                               f"Authorization: Bearer {KEY}"], capture_output=True, text=True, timeout=600)
+        server.log.seek(0)
+        log = server.log.read()
+    finally:
+        assert server.stop() == 0
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "passed" in done.stdout and "Traceback" not in log

@@ -23,6 +23,9 @@ COMPLETION_SCHEMA = {
         "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
         "model": {"type": "string"}, "choices": {"type": "array", "items": {"type": "object"}},
         "usage": {"type": "object"}, "dspark": {"type": "object"}}}
+EVENT_SCHEMA = {  # one server-sent event: `data:` a completion chunk as JSON, or [DONE]
+    "type": "object", "required": ["data"], "properties": {
+        "data": {"type": "string", "contentMediaType": "application/json"}, "event": {"type": "string"}}}
 ERRORS = {
     "400": "the body is not a valid request (the error names the field)",
     "401": "the server has an API key and the request did not bring it",
@@ -40,13 +43,15 @@ def completion_route(request: type[BaseModel]) -> dict:
                  for code, text in ERRORS.items()}
     responses["200"] = {"description": "the completion whole (JSON), or streamed as server-sent events",
                         "content": {"application/json": {"schema": COMPLETION_SCHEMA},
-                                    "text/event-stream": {"schema": {"type": "string"}}}}
+                                    "text/event-stream": {"schema": EVENT_SCHEMA}}}
     body = {"required": True, "content": {"application/json": {"schema": {"$ref": REF.format(model=request.__name__)}}}}
     return {"openapi_extra": {"requestBody": body, "responses": responses}}
 
 
-def install_schema(app: FastAPI, model_name: str) -> None:
-    """Make `app.openapi()` publish the request bodies, with `model` fixed to the served name."""
+def install_schema(app: FastAPI, model_name: str, window: int) -> None:
+    """Make `app.openapi()` publish the request bodies, with `model` fixed to the served name and the
+    token limits to the context window. What a schema cannot say (the prompt's tokens plus the limit
+    within the window, one of max_tokens / max_completion_tokens) is checked by the routes (400)."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -56,7 +61,12 @@ def install_schema(app: FastAPI, model_name: str) -> None:
             for model in (ChatCompletionRequest, CompletionRequest):
                 body = model.model_json_schema(ref_template=REF)
                 components.update(body.pop("$defs", {}))
-                body["properties"]["model"] = {"type": "string", "enum": [model_name]}
+                fields = body["properties"]
+                fields["model"] = {"type": "string", "enum": [model_name]}
+                fields["n"] = {"type": "integer", "enum": [1], "default": 1}
+                for limit in ("max_tokens", "max_completion_tokens"):
+                    if limit in fields:
+                        fields[limit]["anyOf"][0]["maximum"] = window
                 components[model.__name__] = body
             app.openapi_schema = schema
         return app.openapi_schema

@@ -10,11 +10,27 @@ import json
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 MAX_JSON_DEPTH = 32  # an OpenAI body nests 4 deep (messages[].content[].text); deeper is refused with 400
 
 Probability = Annotated[float, Field(gt=0.0, le=1.0)]
+
+
+def _only(value, kind: type):
+    """A field accepted only at its neutral `value`, typed strictly (`Literal[False]` would let 0 in:
+    0 == False)."""
+
+    def check(v):
+        if v != value:
+            raise ValueError(f"only {json.dumps(value)} is supported")
+        return v
+
+    return Annotated[kind, AfterValidator(check), Field(json_schema_extra={"enum": [value]})]
+
+
+NoPenalty = _only(0.0, float)
+Off = _only(False, bool)
 
 
 class _Body(BaseModel):
@@ -52,8 +68,8 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # defined by OpenAI, not implemented here: only their neutral values are accepted
-    presence_penalty: Literal[0, 0.0] = 0.0
-    frequency_penalty: Literal[0, 0.0] = 0.0
+    presence_penalty: NoPenalty = 0.0
+    frequency_penalty: NoPenalty = 0.0
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
 
     @field_validator("n")
@@ -84,7 +100,7 @@ class _Sampling(_Body):
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: Literal[False] = False
+    logprobs: Off = False
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -100,7 +116,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-    echo: Literal[False] = False
+    echo: Off = False
     logprobs: None = None
     suffix: None = None
 

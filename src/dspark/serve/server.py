@@ -14,7 +14,7 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
@@ -24,7 +24,7 @@ from dspark.errors import DsparkError
 from dspark.model.target import Target
 from dspark.sampling import SamplingParams
 from dspark.serve.guard import RequestGuard
-from dspark.serve.openapi import completion_route, install_schema
+from dspark.serve.openapi import ERROR, completion_route, install_schema
 from dspark.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 from dspark.serve.service import EngineFailed, EngineService, Job, QueueFull
 
@@ -113,7 +113,7 @@ def create_app(target: Target, service: EngineService, info: ServerInfo, access:
     app = FastAPI(title="dspark", version="0.1.0", lifespan=lifespan)
     app.add_middleware(RequestGuard, api_key=access.api_key, max_body_bytes=access.max_body_bytes,
                        read_timeout=access.read_timeout)
-    install_schema(app, info.model_name)
+    install_schema(app, info.model_name, service.engine.max_len)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -121,19 +121,23 @@ def create_app(target: Target, service: EngineService, info: ServerInfo, access:
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, e: HTTPException):  # unknown route, wrong method: OpenAI's shape too
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
+                            headers=e.headers)  # 405 names the allowed methods
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "the engine is not running",
+                                         "content": {"application/json": {"schema": ERROR}}}})
     async def health():
         if not service.alive:
             raise APIError(503, f"the engine is not running: {service.error or 'shutting down'}", type="server_error")
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}}})
     async def metrics():
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={401: {"description": "no or a wrong API key",
+                                            "content": {"application/json": {"schema": ERROR}}}})
     async def models():
         return {"object": "list", "data": [{"id": info.model_name, "object": "model", "created": info.created,
                                             "owned_by": "dspark", "root": str(target.path),
