@@ -101,3 +101,17 @@ def test_profiles_fit_a_short_context_window(tmp_path, monkeypatch):
     assert Decoder(target, drafter).generate(prompt, 40, greedy).token_ids == want
     with pytest.raises(DsparkError, match="window is only 64 positions"):
         load_or_measure(target, max_tokens=64)
+
+
+def test_profile_measures_fewer_sizes_and_interpolates_the_rest():
+    from dspark.schedule.sps import interpolate_seconds, profile_sizes
+
+    assert profile_sizes(9) == list(range(1, 10))  # a single request's round: every size measured
+    sizes = profile_sizes(144)
+    assert sizes[:16] == list(range(1, 17)) and {20, 64, 72, 128, 144} <= set(sizes) and 65 not in sizes
+    assert len(sizes) < 144 / 3.5
+    assert profile_sizes(70)[-1] == 70
+    measured = {b: 0.01 + 0.001 * b for b in sizes}  # a straight line comes back exactly
+    assert interpolate_seconds(measured, 144) == pytest.approx([0.01 + 0.001 * b for b in range(1, 145)])
+    steps = interpolate_seconds({1: 1.0, 16: 1.0, 20: 2.0}, 20)
+    assert steps[15] == 1.0 and steps[17] == pytest.approx(1.5) and steps[19] == 2.0

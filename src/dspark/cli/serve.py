@@ -81,22 +81,31 @@ def _check_port(host: str, port: int) -> None:
             raise DsparkError(f"cannot listen on {host}:{port}: {e.strerror}; {hint}") from None
 
 
-def _profile_apart(args, max_tokens: int) -> None:
+def _profile_apart(args, max_tokens: int, policy: str) -> None:
     """Profile the SPS curve once with `dspark profile` in a process of its own: after forwards of
     hundreds of distinct sizes a process decodes ~10% slower (benchmarks/results/README.md, server),
-    which the server would otherwise carry until restarted. If that fails, the server measures itself."""
+    which the server would otherwise carry until restarted. Meanwhile the port answers 503 with
+    Retry-After (serve/warming.py). If the profile fails, the server measures itself."""
     import subprocess
     import tempfile
+    import time
 
-    print(f"[dspark] profiling this target's SPS(1..{max_tokens}) once (cached for later starts)", file=sys.stderr,
-          flush=True)
+    from dspark.serve.warming import answering_meanwhile
+
+    print(f"[dspark] first start with this target on this machine: measuring its verify cost curve SPS(1..{max_tokens}) "
+          f"for the {policy} policy, once (cached for later starts; --policy full or ar skip it). "
+          "Until it is done, requests get 503 with Retry-After.", file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "dspark.cli", "profile", "--max-tokens", str(max_tokens), "--dtype", args.dtype]
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--threads", str(args.threads)] if args.threads else []
-    with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run(cmd + ["--plot", f"{tmp}/sps.png"], stdout=subprocess.DEVNULL)
+    t0 = time.monotonic()
+    with answering_meanwhile(args.host, args.port, "profiling this machine's verify cost curve, once"), \
+            tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run(cmd + ["--plot", f"{tmp}/sps.png"], check=False, stdout=subprocess.DEVNULL)
     if done.returncode != 0:
         print("[dspark] the separate profile failed; measuring in this process", file=sys.stderr)
+    else:
+        print(f"[dspark] profiled in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
 
 
 def run_beside(server, service) -> None:
@@ -163,7 +172,7 @@ def cmd_serve(args) -> int:
     if policy_name in ("dspark", "dspark-async"):
         sps_tokens = min(256, args.max_batch * (max_drafts + 1))
         if cached_sps(target, sps_tokens) is None:
-            _profile_apart(args, sps_tokens)
+            _profile_apart(args, sps_tokens, policy_name)
         sps, _, measured = load_or_measure(target, max_tokens=sps_tokens)
         if measured:
             print(f"[dspark] profiled SPS(1..{sps.max_tokens}) of this target in this process; cached for later "
