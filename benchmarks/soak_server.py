@@ -187,11 +187,14 @@ def start(args, log) -> tuple[subprocess.Popen, int]:
     deadline = time.time() + 900
     while time.time() < deadline:
         assert proc.poll() is None, f"the server exited with {proc.returncode}"
-        try:
-            metrics(port)
-            return proc, port
+        try:  # 503 while a first start profiles
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                return proc, port
         except OSError:
-            time.sleep(0.5)
+            pass
+        time.sleep(0.5)
     raise SystemExit("the server did not come up")
 
 

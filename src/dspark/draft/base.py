@@ -94,6 +94,10 @@ class BatchDrafter(abc.ABC):
     def observe(self, row: int, tokens: list[int], taps: torch.Tensor | None) -> None:
         """`tokens` of `row` were committed (the anchor and its accepted drafts)."""
 
+    def catch_up(self, rows: list[int]) -> None:  # noqa: B027 (a no-op unless the drafter defers work)
+        """Do the work `observe` deferred for `rows` (a lazy drafter's context K/V), before `propose`.
+        Timed apart: it is owed to the tokens committed earlier, not to this step's drafts."""
+
 
 class PerRequestDrafters(BatchDrafter):
     """One `Drafter` per row, made by `make_drafter` when a request takes the row."""

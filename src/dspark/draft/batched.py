@@ -47,6 +47,10 @@ class BatchedDSparkDrafter(BatchDrafter):
         the row's next drafting pass, in one go (steps that skip drafting pay nothing for it)."""
         self.pending[row].append(taps)
 
+    def catch_up(self, rows: list[int]) -> None:
+        for row in rows:
+            self._flush(row)
+
     @torch.inference_mode()
     def _flush(self, slot: int) -> None:
         if not self.pending[slot]:
@@ -70,8 +74,7 @@ class BatchedDSparkDrafter(BatchDrafter):
             return out
         m, g = self.model, self.block_size
         sl = [slots[i] for i in rows]
-        for s in sl:
-            self._flush(s)
+        self.catch_up(sl)
         lens = torch.tensor([self.lengths[s] for s in sl])
         ctx = int(lens.max())
         ids = torch.tensor([[anchors[i]] + [self.cfg.mask_token_id] * (g - 1) for i in rows])
