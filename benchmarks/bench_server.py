@@ -64,7 +64,7 @@ def start_vllm(port: int, args) -> subprocess.Popen:
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model_dir(None)),
            "--served-model-name", "smollm2", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5",
            "--max-model-len", str(args.max_model_len), "--port", str(port), "--host", "127.0.0.1",
-           "--disable-log-requests", "--uvicorn-log-level", "warning"]
+           "--uvicorn-log-level", "warning"]
     return wait_healthy(subprocess.Popen(cmd, stderr=sys.stderr, env=env), port, "vllm")
 
 
@@ -152,10 +152,11 @@ def single_request(target, decoder, prompts: list[str], max_tokens: int):
 
 
 def summarize(results: list[dict], wall: float) -> dict:
-    ok = [r for r in results if r["error"] is None and r["finish"] and r["tokens"] and r["stats"]]
+    ok = [r for r in results if r["error"] is None and r["finish"] and r["tokens"]]  # vLLM sends no dspark stats
+    stats = [r["stats"] for r in ok if r["stats"]]
     decode = [(r["tokens"] - 1) / (r["latency"] - r["ttft"]) for r in ok if r["tokens"] > 1 and r["ttft"]]
     ttft = sorted(r["ttft"] for r in ok if r["ttft"] is not None)
-    rounds = sum(r["stats"]["rounds"] for r in ok)
+    rounds = sum(s["rounds"] for s in stats)
     return {
         "requests": len(results),
         "failed": sum(r["error"] is not None for r in results),
@@ -166,9 +167,9 @@ def summarize(results: list[dict], wall: float) -> dict:
         "per_request_decode_tok_s_median": statistics.median(decode) if decode else 0.0,
         "ttft_median_s": statistics.median(ttft) if ttft else None,
         "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))] if ttft else None,
-        "tau": sum(r["tokens"] - 1 for r in ok) / rounds if rounds else 0.0,
-        "draft_tokens": sum(r["stats"]["draft_tokens"] for r in ok),
-        "accepted_tokens": sum(r["stats"]["accepted_tokens"] for r in ok),
+        "tau": sum(r["tokens"] - 1 for r in ok if r["stats"]) / rounds if rounds else None,
+        "draft_tokens": sum(s["draft_tokens"] for s in stats),
+        "accepted_tokens": sum(s["accepted_tokens"] for s in stats),
         "errors": sorted({r["error"] for r in results if r["error"]})[:5],
     }
 
@@ -280,7 +281,8 @@ def write_markdown(report: dict, path: Path) -> None:
         ttft = f"{r['ttft_median_s']:.3f} / {r['ttft_p90_s']:.3f}" if r["ttft_median_s"] is not None else "-"
         lines.append(f"| {r['concurrency']} | {r['policy']} | {r['requests']} | {r['failed']} | {r['truncated']} | "
                      f"{r['aggregate_tok_s']:.1f} | {r['per_request_decode_tok_s_median']:.1f} | {ttft} | "
-                     f"{r['tau']:.2f} | {r['draft_tokens']} / {r['accepted_tokens']} |")
+                     f"{'-' if r['tau'] is None else format(r['tau'], '.2f')} | {r['draft_tokens']} / "
+                     f"{r['accepted_tokens']} |")
     lines += ["", "Speed-ups (aggregate tok/s over the same C's `ar` row; the generate row over generate-ar): "
               + ", ".join(f"{k} {v:.2f}x" for k, v in report.get("speedup_over_ar", {}).items())]
     path.write_text("\n".join(lines) + "\n")
