@@ -76,7 +76,8 @@ def main() -> int:
         server_log = log.read()
     statuses = re.findall(r'HTTP/1\.1" (\d{3})', server_log)
     errors = sum(s.startswith("5") and s != "503" for s in statuses)
-    summary = done.stdout[done.stdout.rfind("SUMMARY") - 40:] if "SUMMARY" in done.stdout else done.stdout[-3000:]
+    at = done.stdout.rfind("\n", 0, done.stdout.rfind("SUMMARY")) + 1  # the start of the SUMMARY line
+    summary = done.stdout[at:] if "SUMMARY" in done.stdout else done.stdout[-3000:]
     lines = ["# dspark serve under schemathesis", "",
              f"`{' '.join(sys.argv)}` (schemathesis {version()}; CPU flags: {', '.join(cpu_flags())})", "",
              "Server: `" + " ".join(serve[2:]) + "`", "", "Fuzzer: `" + " ".join(["schemathesis", *fuzz[1:]]) + "`", "",
