@@ -127,14 +127,15 @@ class CompletionRequest(_Sampling):
 
 def parse_body(raw: bytes, model: type[_Body]) -> _Body:
     """The request body `raw` as `model`, or an APIError (400) that names what is wrong."""
+    too_deep = APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
     except RecursionError:
-        data = None
-    if data is None or _depth(data) > MAX_JSON_DEPTH:
-        raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        raise too_deep from None
+    if _depth(data) > MAX_JSON_DEPTH:
+        raise too_deep
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
