@@ -17,34 +17,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from dspark.util.platform import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_server import free_port, wait_healthy  # noqa: E402
+
 KEY = "sk-fuzz"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_up(proc: subprocess.Popen, port: int) -> None:
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        assert proc.poll() is None, f"the server exited with {proc.returncode}"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise SystemExit("the server did not come up")
 
 
 def main() -> int:
@@ -65,7 +46,7 @@ def main() -> int:
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(serve, stdout=log, stderr=log)
         try:
-            wait_up(proc, port)
+            wait_healthy(proc, port, "fuzz")
             t0 = time.time()
             done = subprocess.run(fuzz, capture_output=True, text=True, check=False)
             seconds = time.time() - t0

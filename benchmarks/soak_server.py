@@ -21,7 +21,6 @@ import argparse
 import http.client
 import json
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,14 +32,10 @@ from pathlib import Path
 from dspark.util.platform import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_server import free_port, wait_healthy  # noqa: E402
 
 MODEL = "smollm2"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mib(pid: int) -> float:
@@ -183,19 +178,7 @@ def start(args, log) -> tuple[subprocess.Popen, int]:
     cmd = [sys.executable, "-m", "dspark.cli", "serve", "--port", str(port), "--max-batch", str(args.max_batch),
            "--max-model-len", str(args.max_model_len), "--max-request-bytes", str(args.max_request_bytes),
            "--served-model-name", MODEL, "--log-level", "warning", *args.server_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        assert proc.poll() is None, f"the server exited with {proc.returncode}"
-        try:  # 503 while a first start profiles
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            c.request("GET", "/health")
-            if c.getresponse().status == 200:
-                return proc, port
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("the server did not come up")
+    return wait_healthy(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log), port, "soak"), port
 
 
 def sample_rss(pid: int, until: float, samples: list) -> None:
