@@ -108,3 +108,26 @@ def test_bf16_runner_is_close_to_fp32(tiny_targets):
     a = runner_logits(load_target(model_dir, dtype=torch.float32, require_tokenizer=False), ids)
     b = runner_logits(load_target(model_dir, dtype=torch.bfloat16, require_tokenizer=False), ids)
     assert (a - b).abs().max().item() < 0.1 * a.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 6, 2, 1, 7), (2, 6, 2, 4, 9), (3, 4, 4, 3, 5), (2, 6, 3, 20, 25)])
+def test_folded_grouped_attention_equals_sdpa_for_every_mask_shape(shape, dtype):
+    """`attention` folds each K/V head's query heads into its query rows for decode-shaped queries;
+    every mask SDPA accepts (none, [q, L], per row, per head, one row of keys) must give SDPA's result."""
+    import torch.nn.functional as F
+
+    from dspark.model.attention import attention
+
+    B, nh, nkv, n, L = shape
+    g = torch.Generator().manual_seed(sum(shape))
+    q, k, v = (torch.randn(B, h, m, 8, generator=g, dtype=dtype) for h, m in ((nh, n), (nkv, L), (nkv, L)))
+    for mask_shape in (None, (n, L), (B, 1, n, L), (1, nh, n, L), (B, 1, 1, L)):
+        mask = None if mask_shape is None else torch.rand(mask_shape, generator=g) > 0.3
+        if mask is not None:
+            mask[..., 0] = True  # every query sees a key
+        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=nkv != nh)
+        got = attention(q, k, v, mask)
+        assert got.shape == want.shape and got.dtype == dtype
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        assert (got.float() - want).abs().max().item() <= tol, mask_shape

@@ -14,6 +14,7 @@ from dspark.draft import vocab
 from dspark.draft.base import Drafter
 from dspark.draft.config import DraftConfig
 from dspark.errors import DsparkError
+from dspark.model.attention import attention
 from dspark.model.config import TargetConfig
 from dspark.model.kernels import StackedKernel, fast_linears
 from dspark.model.target import Target
@@ -74,7 +75,7 @@ class DraftAttention(nn.Module):
         return apply_rope(k, cos, sin), v
 
     def attend(self, q, k, v, mask) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nkv != self.nh)
+        out = attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
     def forward(self, x, cos, sin, ctx_kv, mask) -> torch.Tensor:

@@ -21,9 +21,10 @@ from torch import nn
 
 from dspark.errors import DsparkError
 from dspark.model.config import TargetConfig
-from dspark.model.kernels import Dense, Packed, cpu_has_native_bf16, dense_kernel
+from dspark.model.attention import attention
+from dspark.model.kernels import Dense, Packed, dense_kernel
 
-RUNNER_VERSION = 2  # bumped when a change moves the runner's speed; SPS profiles are cached per version
+RUNNER_VERSION = 3  # bumped when a change moves the runner's speed; SPS profiles are cached per version
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -251,13 +252,6 @@ class TargetModel(nn.Module):
             self.prepare(pack=False)
         return self._lm_head_kernel(hidden).float()
 
-    def _attention(self, q, k, v, mask, gqa: bool) -> torch.Tensor:
-        # CPU SDPA is ~10x slower in bf16 than fp32 without native bf16 units; the upcast is cheap
-        if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not cpu_has_native_bf16():
-            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=gqa)
-            return out.to(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
     def _normed(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         """RMSNorm of the fast path: one fp32 scale per row; `weight` None when folded into the next kernel."""
         n = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
@@ -363,7 +357,7 @@ class TargetModel(nn.Module):
                 qh = self._fast_attention_inputs(x, layer, kern, cis, kvc, slots)
             else:
                 qh = self._reference_attention_inputs(x, layer, kern, cos, sin, kvc, slots)
-            attn = self._attention(qh, kvc[:, :nkv, :kv_len], kvc[:, nkv:, :kv_len], mask, nkv != nh)
+            attn = attention(qh, kvc[:, :nkv, :kv_len], kvc[:, nkv:, :kv_len], mask)
             x = x + kern.o(attn.transpose(1, 2).reshape(B, q, nh * hd))
             if self.fast:
                 h = self._normed(x, None if kern.fold_norms else layer.post_norm)
