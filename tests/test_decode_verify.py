@@ -92,3 +92,31 @@ def test_nucleus_shortcut_equals_the_full_sort():
             want = want / want.sum(-1, keepdim=True)
             assert torch.equal(got > 0, want > 0)
             assert torch.allclose(got, want, atol=1e-7)
+
+
+def test_greedy_rows_verify_exactly_as_rejection_sampling_with_one_hot_targets(tiny_targets):
+    """The decode step verifies greedy rows by argmax comparison, without distributions; it must
+    give exactly what rejection sampling with one-hot target probabilities gives, row by row, in a
+    step that mixes greedy and sampled rows and drafts that match the argmax for a while."""
+    from dspark.decode.step import DecodeStep, Row
+    from dspark.model.loading import load_target
+    from dspark.schedule.policies import VerifyAllPolicy
+
+    model = load_target(tiny_targets[0][1], dtype=torch.float32, require_tokenizer=False).model
+    step = DecodeStep(model, None, VerifyAllPolicy())
+    g = torch.Generator().manual_seed(0)
+    R, V = 6, model.cfg.vocab_size
+    hidden = torch.randn(R, 5, model.cfg.hidden_size, generator=g)
+    argmax = model.logits(hidden).argmax(-1)
+    lengths = [0, 4, 2, 4, 3, 1]
+    drafts = [argmax[r, : lengths[r]].tolist() for r in range(R)]
+    drafts[1][2] = (drafts[1][2] + 1) % V  # row 1 is rejected at its third draft
+    greedy = SamplingParams()
+    params = [greedy, greedy, SamplingParams(temperature=0.8), greedy, SamplingParams(temperature=1.0), greedy]
+    rows = [Row(r, 0, p, torch.Generator().manual_seed(r)) for r, p in enumerate(params)]
+    accepted, nxt = step._verify(hidden, rows, [None] * R, drafts, lengths)
+    assert accepted[0] == 0 and accepted[1] == 2 and accepted[3] == 4  # the argmax path was taken
+    for r in (0, 1, 3, 5):
+        want = step._rejection_sample([(Row(r, 0, greedy, torch.Generator().manual_seed(9)), None, drafts[r],
+                                        lengths[r], model.logits(hidden[r, : lengths[r] + 1]))])
+        assert (accepted[r], nxt[r]) == (want[0][0], want[1][0]), r

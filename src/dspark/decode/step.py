@@ -22,7 +22,7 @@ import torch
 
 from dspark.decode.verify import verify_chains
 from dspark.draft.base import BatchDrafter, DraftBlock
-from dspark.sampling import SamplingParams, probs_from_logits, sample
+from dspark.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
 from dspark.schedule.policies import Policy
 from dspark.schedule.survival import AcceptanceEstimate, prefix_survival
 
@@ -156,23 +156,46 @@ class DecodeStep:
         return committed, out, B * q
 
     def _verify(self, hidden, rows, blocks, drafts, lengths) -> tuple[list[int], list[int]]:
-        """All rows in one rejection-sampling call: (accepted drafts, next token) per row."""
-        R, L = len(rows), max(lengths)
+        """(accepted drafts, next token) per row, from one LM-head product over the verified positions
+        of every row. Greedy rows need no probabilities: verification at temperature 0 accepts while a
+        draft equals the target's argmax and commits the argmax after it (what rejection sampling with
+        one-hot p_t does, without the [ℓ + 1, V] distributions); sampled rows share one
+        rejection-sampling call."""
+        logits = self.model.logits(torch.cat([hidden[r.index, : ell + 1] for r, ell in zip(rows, lengths)]))
+        offsets = [0]
+        for ell in lengths:
+            offsets.append(offsets[-1] + ell + 1)
+        accepted, nxt = [0] * len(rows), [0] * len(rows)
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        if greedy:
+            best = argmax_rows(logits)  # every row's, in one call: cheaper than gathering the greedy ones
+            for i in greedy:
+                a, d, at = 0, drafts[i], offsets[i]
+                while a < lengths[i] and d[a] == best[at + a]:
+                    a += 1
+                accepted[i], nxt[i] = a, best[at + a]
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            got = self._rejection_sample([(rows[i], blocks[i], drafts[i], lengths[i],
+                                           logits[offsets[i] : offsets[i + 1]]) for i in sampled])
+            for i, (a, t) in zip(sampled, zip(*got)):
+                accepted[i], nxt[i] = a, t
+        return accepted, nxt
+
+    def _rejection_sample(self, chains) -> tuple[list[int], list[int]]:
+        """(accepted, next token) of sampled rows, each chain (row, block, drafts, ℓ, logits [ℓ + 1, V]),
+        in one rejection-sampling call, each row drawing from its own generator."""
+        R, L = len(chains), max(ell for _, _, _, ell, _ in chains)
         V = self.model.cfg.vocab_size
         tokens = torch.zeros(R, L, dtype=torch.long)
         uniforms = torch.zeros(R, L + 1)
         # positions past a row's ℓ are never read (verify masks them): no need to clear them
         target_probs = torch.empty(R, L + 1, V)
-        sampled = any(b is not None and b.probs is not None for b, ell in zip(blocks, lengths) if ell)
+        sampled = any(b is not None and b.probs is not None for _, b, _, ell, _ in chains if ell)
         draft_probs = torch.empty(R, L, V) if sampled else None
-        # one LM-head product for the verified positions of every row
-        logits = self.model.logits(torch.cat([hidden[r.index, : ell + 1] for r, ell in zip(rows, lengths)]))
-        offsets = [0]
-        for ell in lengths:
-            offsets.append(offsets[-1] + ell + 1)
-        for i, (r, blk, d, ell) in enumerate(zip(rows, blocks, drafts, lengths)):
+        for i, (r, blk, d, ell, logits) in enumerate(chains):
             tokens[i, :ell] = torch.tensor(d[:ell], dtype=torch.long)
-            target_probs[i, : ell + 1] = probs_from_logits(logits[offsets[i] : offsets[i + 1]], r.params)
+            target_probs[i, : ell + 1] = probs_from_logits(logits, r.params)
             uniforms[i, : ell + 1] = torch.rand(ell + 1, generator=r.generator)
             if draft_probs is not None and ell:
                 if blk.probs is not None:
@@ -180,5 +203,6 @@ class DecodeStep:
                 else:  # proposed deterministically: one-hot p_d
                     draft_probs[i, :ell].zero_()
                     draft_probs[i, torch.arange(ell), tokens[i, :ell]] = 1.0
-        accepted, nxt = verify_chains(tokens, draft_probs, target_probs, torch.tensor(lengths), uniforms)
+        lengths = torch.tensor([ell for _, _, _, ell, _ in chains])
+        accepted, nxt = verify_chains(tokens, draft_probs, target_probs, lengths, uniforms)
         return accepted.tolist(), nxt.tolist()
