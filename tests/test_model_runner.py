@@ -94,6 +94,22 @@ def test_batched_ragged_prefill_and_decode_equal_one_by_one(tiny_targets):
             assert (out2.hidden[i, :k] - ref2.hidden[0]).abs().max() <= 1e-5, name
 
 
+def test_ragged_padding_is_not_computed_and_writes_no_cache(tiny_targets):
+    """Rows of a ragged forward bring only their real tokens: the cache beyond each row's new length
+    keeps what it held, and the padded outputs are zeros (fp32 and the bf16 fast path)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_target(tiny_targets[0][1], dtype=dtype, require_tokenizer=False).model
+        cache = model.new_cache(3, 16)
+        cache.kv.fill_(7.0)
+        ids = torch.randint(3, 128, (3, 4), generator=torch.Generator().manual_seed(0))
+        out = model(ids, cache, num_new=torch.tensor([2, 0, 4]), taps=(0,))
+        assert cache.lengths.tolist() == [2, 0, 4]
+        for row, n in enumerate((2, 0, 4)):
+            assert bool((cache.kv[:, row, :, n:] == 7.0).all()), (dtype, row)
+            assert not bool((cache.kv[:, row, :, :n] == 7.0).any()), (dtype, row)
+            assert bool((out.hidden[row, n:] == 0).all()) and bool((out.taps[row, n:] == 0).all()), (dtype, row)
+
+
 def test_cache_refuses_to_roll_forward(tiny_targets):
     model = load_target(tiny_targets[0][1], dtype=torch.float32, require_tokenizer=False).model
     cache = model.new_cache(1, 16)

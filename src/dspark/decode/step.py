@@ -136,8 +136,8 @@ class DecodeStep:
 
     def _forward(self, cache, rows, drafts, lengths):
         """One ragged forward over the cache rows up to the last one in use: row r holds [anchor, ℓ_r
-        drafts], right-padded; rows between without a request compute padding at the start of their
-        row, rows after it are not computed."""
+        drafts], right-padded; the target computes the real tokens alone (rows between without a
+        request bring none), and that many positions count as computed."""
         B, q = 1 + max(r.index for r in rows), 1 + max(lengths)
         ids = torch.zeros(B, q, dtype=torch.long)
         num_new = torch.zeros(B, dtype=torch.long)
@@ -153,7 +153,7 @@ class DecodeStep:
         if view is not cache:
             cache.lengths[:B] = view.lengths
         self.steps += 1
-        return committed, out, B * q
+        return committed, out, int(num_new.sum())
 
     def _verify(self, hidden, rows, blocks, drafts, lengths) -> tuple[list[int], list[int]]:
         """(accepted drafts, next token) per row, from one LM-head product over the verified positions

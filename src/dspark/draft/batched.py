@@ -47,22 +47,23 @@ class BatchedDSparkDrafter(BatchDrafter):
         the row's next drafting pass, in one go (steps that skip drafting pay nothing for it)."""
         self.pending[row].append(taps)
 
-    def catch_up(self, rows: list[int]) -> None:
-        for row in rows:
-            self._flush(row)
-
     @torch.inference_mode()
-    def _flush(self, slot: int) -> None:
-        if not self.pending[slot]:
+    def catch_up(self, rows: list[int]) -> None:
+        """The context K/V of every listed row's queued taps, in one pass: a context position depends on
+        its own taps and position alone, so the rows' queues run as one sequence."""
+        rows = [r for r in rows if self.pending[r]]
+        if not rows:
             return
-        taps = torch.cat(self.pending[slot]) if len(self.pending[slot]) > 1 else self.pending[slot][0]
-        self.pending[slot] = []
-        n, start = taps.shape[0], self.lengths[slot]
-        pos = torch.arange(start, start + n)[None]
-        for buf_k, buf_v, (k, v) in zip(self.k, self.v, self.model.context_kv(self.model.context(taps[None]), pos)):
-            buf_k[slot, :, start : start + n] = k[0]
-            buf_v[slot, :, start : start + n] = v[0]
-        self.lengths[slot] = start + n
+        taps = torch.cat([t for r in rows for t in self.pending[r]])
+        counts = [sum(t.shape[0] for t in self.pending[r]) for r in rows]
+        slot = torch.tensor(rows).repeat_interleave(torch.tensor(counts))
+        pos = torch.cat([torch.arange(self.lengths[r], self.lengths[r] + n) for r, n in zip(rows, counts)])
+        for buf_k, buf_v, (k, v) in zip(self.k, self.v, self.model.context_kv(self.model.context(taps[None]), pos[None])):
+            buf_k[slot, :, pos] = k[0].transpose(0, 1)
+            buf_v[slot, :, pos] = v[0].transpose(0, 1)
+        for r, n in zip(rows, counts):
+            self.lengths[r] += n
+            self.pending[r] = []
 
     @torch.inference_mode()
     def propose(self, slots: list[int], anchors: list[int], budgets: list[int], params: list[SamplingParams],

@@ -259,52 +259,38 @@ class TargetModel(nn.Module):
         return (h if weight is None else h * weight).to(x.dtype)
 
     def _fast_qkv(self, qkv: torch.Tensor, layer: nn.Module, cis: torch.Tensor) -> torch.Tensor:
-        """[B, q, heads, d] projections -> the same with Q / K normed (Qwen3) and rotated, in place."""
+        """[N, heads, d] projections -> the same with Q / K normed (Qwen3) and rotated, in place."""
         c = self.cfg
         nh, nkv = c.num_attention_heads, c.num_key_value_heads
-        qk = qkv[:, :, : nh + nkv].float()
+        qk = qkv[:, : nh + nkv].float()
         if c.qk_norm:
-            qk = torch.cat([F.rms_norm(qk[:, :, :nh], (c.head_dim,), layer.q_norm.float(), c.rms_norm_eps),
-                            F.rms_norm(qk[:, :, nh:], (c.head_dim,), layer.k_norm.float(), c.rms_norm_eps)], dim=2)
+            qk = torch.cat([F.rms_norm(qk[:, :nh], (c.head_dim,), layer.q_norm.float(), c.rms_norm_eps),
+                            F.rms_norm(qk[:, nh:], (c.head_dim,), layer.k_norm.float(), c.rms_norm_eps)], dim=1)
         rotated = torch.view_as_complex(qk.unflatten(-1, (-1, 2))) * cis
-        qkv[:, :, : nh + nkv] = torch.view_as_real(rotated).flatten(-2)
+        qkv[:, : nh + nkv] = torch.view_as_real(rotated).flatten(-2)
         return qkv
 
-    def _fast_attention_inputs(self, x, layer, kern, cis, kvc, slots) -> torch.Tensor:
-        """The layer's queries [B, nh, q, hd]; its new keys / values written to `kvc` at `slots`
-        ((row 0's start when B = 1, else None), row index [B, 1], positions [B, q])."""
+    def _fast_attention_inputs(self, x, layer, kern, cis, kvc, tokens: "TokenLayout") -> torch.Tensor:
+        """The layer's queries [N, nh, hd] of the N packed tokens x [N, H]; their new keys / values
+        written to `kvc` where `tokens` says."""
         c = self.cfg
-        B, q, _ = x.shape
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         h = self._normed(x, None if kern.fold_norms else layer.input_norm)
-        qkv = self._fast_qkv(kern.qkv(h).view(B, q, nh + 2 * nkv, hd), layer, cis).transpose(1, 2)
-        qh, kv_new = qkv[:, :nh], qkv[:, nh:]
-        s, rows_idx, pos = slots
-        if s is not None:
-            kvc[0, :, s : s + q] = kv_new[0]
-        else:  # advanced-index assignment: CPU scatter_ has no fast bf16 kernel (~200x slower)
-            kvc[rows_idx, :, pos] = kv_new.transpose(1, 2)
-        return qh
+        qkv = self._fast_qkv(kern.qkv(h).view(x.shape[0], nh + 2 * nkv, hd), layer, cis)
+        tokens.write(kvc, qkv[:, nh:])
+        return qkv[:, :nh]
 
-    def _reference_attention_inputs(self, x, layer, kern, cos, sin, kvc, slots) -> torch.Tensor:
+    def _reference_attention_inputs(self, x, layer, kern, cos, sin, kvc, tokens: "TokenLayout") -> torch.Tensor:
         """`_fast_attention_inputs` in HF's order of operations (the exact fp32 mode)."""
         c = self.cfg
-        B, q, _ = x.shape
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
-        qkv = kern.qkv(h).view(B, q, nh + 2 * nkv, hd).transpose(1, 2)
-        qk, vh = qkv.split((nh + nkv, nkv), dim=1)
+        qk, vh = kern.qkv(h).view(x.shape[0], nh + 2 * nkv, hd).split((nh + nkv, nkv), dim=1)
         if c.qk_norm:
             qk = torch.cat([rms_norm(qk[:, :nh], layer.q_norm, c.rms_norm_eps),
                             rms_norm(qk[:, nh:], layer.k_norm, c.rms_norm_eps)], dim=1)
         qh, kh = apply_rope(qk, cos, sin).split((nh, nkv), dim=1)
-        s, rows_idx, pos = slots
-        if s is not None:
-            kvc[0, :nkv, s : s + q] = kh[0]
-            kvc[0, nkv:, s : s + q] = vh[0]
-        else:
-            kvc[rows_idx, :nkv, pos] = kh.transpose(1, 2)
-            kvc[rows_idx, nkv:, pos] = vh.transpose(1, 2)
+        tokens.write(kvc, torch.cat([kh, vh], dim=1))
         return qh
 
     @torch.inference_mode()
@@ -319,7 +305,8 @@ class TargetModel(nn.Module):
 
         Row b's tokens go to positions `cache.lengths[b] + 0..q-1`. With ragged inputs, rows are
         right-padded and `num_new[b]` says how many of the q tokens are real; the cache then grows
-        by `num_new[b]` for row b (padding K/V land beyond the valid length and are never read).
+        by `num_new[b]` for row b. Only real tokens are computed (packed, see `TokenLayout`): padding
+        costs nothing in the projections and writes no K/V; its outputs are zeros.
         """
         if self._kernels is None:
             self.prepare(pack=False)
@@ -331,34 +318,27 @@ class TargetModel(nn.Module):
             raise DsparkError(
                 f"sequence of {int((start + q).max())} tokens exceeds the context window of {cache.max_len}"
             )
-        pos = start[:, None] + torch.arange(q, device=input_ids.device)[None, :]  # [B, q]
+        tokens = TokenLayout(start, num_new, q)
         if self.fast:
-            cis = self.rope_cis[pos][:, :, None]  # [B, q, 1, d/2]
+            cis = self.rope_cis[tokens.pos][:, None]  # [N, 1, d/2]
         else:
-            cos = self.rope_cos[pos][:, None]  # [B, 1, q, d]
-            sin = self.rope_sin[pos][:, None]
+            cos, sin = self.rope_cos[tokens.pos][:, None], self.rope_sin[tokens.pos][:, None]  # [N, 1, d]
         kv_len = int((start + q).max())
-        single = B == 1
-        rows_idx = torch.arange(B, device=input_ids.device)[:, None]  # with pos [B, q]: each row's new slots
-        if q == 1 and single:
-            mask = None
-        else:
-            mask = (torch.arange(kv_len, device=input_ids.device)[None, None, :] <= pos[:, :, None])[:, None]
+        mask = None if q == 1 and B == 1 else tokens.mask(kv_len)
 
         c = self.cfg
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        x = self.embed(input_ids)
+        x = self.embed(tokens.pack(input_ids))  # [N, H]
         tap_set = set(taps)
         tapped = {-1: x} if -1 in tap_set else {}  # -1: the embedding output (DeepSpec's convention)
         for li, (layer, kern) in enumerate(zip(self.layers, self._kernels)):
             kvc = cache.kv[li]
-            slots = (int(start[0]) if single else None, rows_idx, pos)  # where the new K / V go
             if self.fast:
-                qh = self._fast_attention_inputs(x, layer, kern, cis, kvc, slots)
+                qh = self._fast_attention_inputs(x, layer, kern, cis, kvc, tokens)
             else:
-                qh = self._reference_attention_inputs(x, layer, kern, cos, sin, kvc, slots)
-            attn = attention(qh, kvc[:, :nkv, :kv_len], kvc[:, nkv:, :kv_len], mask)
-            x = x + kern.o(attn.transpose(1, 2).reshape(B, q, nh * hd))
+                qh = self._reference_attention_inputs(x, layer, kern, cos, sin, kvc, tokens)
+            attn = attention(tokens.pad(qh).transpose(1, 2), kvc[:, :nkv, :kv_len], kvc[:, nkv:, :kv_len], mask)
+            x = x + kern.o(tokens.pack(attn.transpose(1, 2)).reshape(-1, nh * hd))
             if self.fast:
                 h = self._normed(x, None if kern.fold_norms else layer.post_norm)
             else:
@@ -371,8 +351,52 @@ class TargetModel(nn.Module):
         hidden = self._normed(x, self.norm) if self.fast else rms_norm(x, self.norm, c.rms_norm_eps)
         if c.num_hidden_layers - 1 in tap_set:  # HF's last hidden state, which DeepSpec taps, is after the norm
             tapped[c.num_hidden_layers - 1] = hidden
-        taps_out = torch.stack([tapped[t] for t in taps], dim=2) if taps else None
-        return ForwardOutput(hidden=hidden, taps=taps_out)
+        taps_out = tokens.pad(torch.stack([tapped[t] for t in taps], dim=1)) if taps else None
+        return ForwardOutput(hidden=tokens.pad(hidden), taps=taps_out)
+
+
+class TokenLayout:
+    """Where a forward's tokens sit. Rows b = 0..B-1 bring `num_new[b]` of q (right-padded) tokens at
+    positions `start[b]...`; the projections run on the N real ones packed ([N, ...], row-major),
+    attention on the padded [B, q] grid. Without padding packing is a view."""
+
+    def __init__(self, start: torch.Tensor, num_new: torch.Tensor, q: int):
+        self.B, self.q = start.shape[0], q
+        steps = torch.arange(q, device=start.device)
+        self.grid_pos = start[:, None] + steps[None, :]  # [B, q]
+        if bool((num_new == q).all()):
+            self.index = None
+            self.rows = torch.arange(self.B, device=start.device).repeat_interleave(q)
+            self.pos = self.grid_pos.flatten()
+        else:
+            self.index = (steps[None, :] < num_new[:, None]).flatten().nonzero().squeeze(1)  # [N] in B * q
+            self.rows, self.pos = self.index // q, self.grid_pos.flatten()[self.index]
+        self.single_start = int(start[0]) if self.B == 1 and self.index is None else None
+
+    def pack(self, grid: torch.Tensor) -> torch.Tensor:
+        """[B, q, ...] -> [N, ...]."""
+        flat = grid.reshape(self.B * self.q, *grid.shape[2:])
+        return flat if self.index is None else flat[self.index]
+
+    def pad(self, packed: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [B, q, ...], zeros where a row has no token."""
+        if self.index is not None:
+            flat = packed.new_zeros(self.B * self.q, *packed.shape[1:])
+            flat[self.index] = packed
+            packed = flat
+        return packed.view(self.B, self.q, *packed.shape[1:])
+
+    def mask(self, kv_len: int) -> torch.Tensor:
+        """[B, 1, q, kv_len] bool: each grid token sees its row's positions up to its own."""
+        return (torch.arange(kv_len, device=self.pos.device)[None, None, :] <= self.grid_pos[:, :, None])[:, None]
+
+    def write(self, kvc: torch.Tensor, kv_new: torch.Tensor) -> None:
+        """One layer's new keys and values [N, 2 * kv_heads, hd] into its cache kvc [B, 2 * kv_heads, L, hd]."""
+        if self.single_start is not None:
+            s = self.single_start
+            kvc[0, :, s : s + self.q] = kv_new.transpose(0, 1)
+        else:  # advanced-index assignment: CPU scatter_ has no fast bf16 kernel (~200x slower)
+            kvc[self.rows, :, self.pos] = kv_new
 
 
 @dataclasses.dataclass
