@@ -194,6 +194,15 @@ def test_engine_rejects_bad_requests(tiny_targets):
     for r in (near, far):
         assert r.finish_reason == "length" and len(r.prompt_ids) + len(r.token_ids) in (32, 33)
         assert ar.generate(r.prompt_ids, 50).token_ids[: len(r.token_ids)] == r.token_ids
+    # padding is never cached, so batched rows may fill the target's whole window
+    window = target.model.max_positions
+    engine = Engine(target, policy=parse_policy("fixed:6"), max_batch=2, draft_model=drafter.model)
+    assert engine.max_len == window
+    near, far = Request([3 + i % 100 for i in range(window - 12)], 50), Request([5, 6, 7], 40)
+    engine.run([near, far])
+    assert near.finish_reason == "length" and len(near.prompt_ids) + len(near.token_ids) in (window, window + 1)
+    for r in (near, far):
+        assert ar.generate(r.prompt_ids, 50).token_ids[: len(r.token_ids)] == r.token_ids
 
 
 def test_cancelled_requests_free_their_rows_and_leave_the_others_exact(tiny_targets):

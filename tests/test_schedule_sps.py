@@ -115,3 +115,22 @@ def test_profile_measures_fewer_sizes_and_interpolates_the_rest():
     assert interpolate_seconds(measured, 144) == pytest.approx([0.01 + 0.001 * b for b in range(1, 145)])
     steps = interpolate_seconds({1: 1.0, 16: 1.0, 20: 2.0}, 20)
     assert steps[15] == 1.0 and steps[17] == pytest.approx(1.5) and steps[19] == 2.0
+
+
+def test_profile_is_fitted_non_decreasing_so_noise_cannot_stop_admission():
+    from dspark.schedule.policies import SPSTable, dspark_lengths
+    from dspark.schedule.sps import interpolate_seconds, monotone_seconds
+
+    line = {b: 0.030 + 0.0002 * b for b in range(1, 17)}
+    assert monotone_seconds(line) == line  # an increasing profile is kept as measured
+    noisy = {**line, 7: 0.0279, 11: 0.0351}  # one fast and one slow outlier, as a busy machine times them
+    fitted = monotone_seconds(noisy)
+    values = [fitted[b] for b in sorted(fitted)]
+    assert all(a <= b for a, b in zip(values, values[1:]))
+    assert sum(fitted.values()) == pytest.approx(sum(noisy.values()))  # pooled means: least squares
+    assert fitted[7] > noisy[7] and fitted[11] < noisy[11]
+    survivals = [[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]] * 8  # 8 rows that deserve many drafts each
+    raw = SPSTable(tuple(1 / t for t in interpolate_seconds(noisy, 16)))
+    smooth = SPSTable(tuple(1 / t for t in interpolate_seconds(fitted, 16)))
+    assert sum(dspark_lengths(survivals, raw)) <= 3  # the raw bump at 11 tokens stops Algorithm 1
+    assert sum(dspark_lengths(survivals, smooth)) == 8  # the whole curve fits 8 more tokens

@@ -26,9 +26,6 @@ from dspark.schedule.policies import ARPolicy, Policy
 
 log = logging.getLogger("dspark.engine")
 
-HEADROOM = 64  # extra cache columns for the padding of ragged verification rows (caps drafts per step)
-
-
 @dataclasses.dataclass
 class Request:
     prompt_ids: list[int]
@@ -67,8 +64,8 @@ class Engine:
 
     Drafting: `draft_model` (a DSpark / DFlash model) drafts for all slots in one batched pass;
     otherwise `make_drafter` builds one Drafter per request (e.g. prompt lookup, EAGLE-3); with
-    neither, no speculation. `policy` picks ℓ_r (default: plain AR). A single slot needs no padding
-    headroom and may use the target's whole window."""
+    neither, no speculation. `policy` picks ℓ_r (default: plain AR). Ragged rows' padding is never
+    computed nor cached, so every slot may use the target's whole window."""
 
     def __init__(
         self,
@@ -88,13 +85,10 @@ class Engine:
         self.model = target.model
         self.policy = policy or ARPolicy()
         self.max_batch = max_batch
-        # rows verify ragged lengths padded to the longest: padding K/V of a row near its limit lands in
-        # `headroom` extra cache columns (never valid), so the usable window is that much shorter
-        self.headroom = HEADROOM if max_batch > 1 else 0
-        self.max_len = min(max_len or self.model.max_positions, self.model.max_positions - self.headroom)
+        self.max_len = min(max_len or self.model.max_positions, self.model.max_positions)
         if self.max_len < 2:
             raise DsparkError(f"max_len must leave room for a prompt and a token (model positions {self.model.max_positions})")
-        self.cache = self.model.new_cache(max_batch, self.max_len + self.headroom)
+        self.cache = self.model.new_cache(max_batch, self.max_len)
         self.slots: list[_Slot | None] = [None] * max_batch
         self.waiting: list[Request] = []
         drafter: BatchDrafter | None = None
@@ -200,8 +194,6 @@ class Engine:
 
     def _budget(self, s: _Slot) -> int:
         room = self.max_len - int(self.cache.lengths[s.row.index])
-        if self.headroom:  # padding of the other rows' drafts lands in the headroom: cap drafts by it
-            room = min(room, self.headroom)
         return draft_budget(s.request.max_new_tokens - len(s.checker.token_ids), room)
 
     def _admit(self) -> None:

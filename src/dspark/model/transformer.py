@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.errors import DsparkError
-from dspark.model.config import TargetConfig
 from dspark.model.attention import attention
+from dspark.model.config import TargetConfig
 from dspark.model.kernels import Dense, Packed, dense_kernel
 
-RUNNER_VERSION = 3  # bumped when a change moves the runner's speed; SPS profiles are cached per version
+RUNNER_VERSION = 4  # bumped when a change moves the runner's speed; SPS profiles are cached per version
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -72,7 +72,7 @@ class KVCache:
     def batch_size(self) -> int:
         return self.lengths.shape[0]
 
-    def rows(self, start: int, stop: int) -> "KVCache":
+    def rows(self, start: int, stop: int) -> KVCache:
         """A view of rows [start, stop) sharing this cache's K/V storage; copy `lengths` back after a forward."""
         view = KVCache.__new__(KVCache)
         view.kv = self.kv[:, start:stop]
@@ -80,7 +80,7 @@ class KVCache:
         view.max_len = self.max_len
         return view
 
-    def row(self, b: int) -> "KVCache":
+    def row(self, b: int) -> KVCache:
         return self.rows(b, b + 1)
 
     def truncate(self, lengths: torch.Tensor | list[int] | int) -> None:
@@ -190,7 +190,7 @@ class TargetModel(nn.Module):
         q, k, v = rows.split((nh * hd, nkv * hd, nkv * hd))
         return torch.cat([interleave_pairs(q, hd), interleave_pairs(k, hd), v])
 
-    def prepare(self, pack: bool = True, quantised: "QuantisedWeights | None" = None) -> None:
+    def prepare(self, pack: bool = True, quantised: QuantisedWeights | None = None) -> None:
         """Build each projection's kernel once (see kernels.py) and drop the plain copies they replace.
 
         `pack`: oneDNN-prepacked weights where they are faster (CPU). `quantised`: the q4 mode's
@@ -212,7 +212,7 @@ class TargetModel(nn.Module):
             if quantised is not None:
                 kernels.append(LayerKernels(*quantised.layers[li], fold_norms=False))
             elif self.fast:  # fold the RMSNorm weights into the projections that read the normed rows
-                fold = lambda w_, g: (w_.float() * g.float()).to(w_.dtype)  # noqa: E731
+                fold = lambda w_, g: (w_.float() * g.float()).to(w_.dtype)
                 kernels.append(LayerKernels(make(fold(w["wqkv"], layer.input_norm), b), make(w["wo"]),
                                             make(fold(w["w_gate_up"], layer.post_norm)), make(w["w_down"]),
                                             fold_norms=True))
@@ -270,7 +270,7 @@ class TargetModel(nn.Module):
         qkv[:, : nh + nkv] = torch.view_as_real(rotated).flatten(-2)
         return qkv
 
-    def _fast_attention_inputs(self, x, layer, kern, cis, kvc, tokens: "TokenLayout") -> torch.Tensor:
+    def _fast_attention_inputs(self, x, layer, kern, cis, kvc, tokens: TokenLayout) -> torch.Tensor:
         """The layer's queries [N, nh, hd] of the N packed tokens x [N, H]; their new keys / values
         written to `kvc` where `tokens` says."""
         c = self.cfg
@@ -280,7 +280,7 @@ class TargetModel(nn.Module):
         tokens.write(kvc, qkv[:, nh:])
         return qkv[:, :nh]
 
-    def _reference_attention_inputs(self, x, layer, kern, cos, sin, kvc, tokens: "TokenLayout") -> torch.Tensor:
+    def _reference_attention_inputs(self, x, layer, kern, cos, sin, kvc, tokens: TokenLayout) -> torch.Tensor:
         """`_fast_attention_inputs` in HF's order of operations (the exact fp32 mode)."""
         c = self.cfg
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -314,16 +314,14 @@ class TargetModel(nn.Module):
         start = cache.lengths
         if num_new is None:
             num_new = torch.full((B,), q, dtype=torch.long, device=input_ids.device)
-        if int((start + q).max()) > cache.max_len:
-            raise DsparkError(
-                f"sequence of {int((start + q).max())} tokens exceeds the context window of {cache.max_len}"
-            )
+        kv_len = int((start + num_new).max())  # padding is never cached: only real tokens need room
+        if kv_len > cache.max_len:
+            raise DsparkError(f"sequence of {kv_len} tokens exceeds the context window of {cache.max_len}")
         tokens = TokenLayout(start, num_new, q)
         if self.fast:
             cis = self.rope_cis[tokens.pos][:, None]  # [N, 1, d/2]
         else:
             cos, sin = self.rope_cos[tokens.pos][:, None], self.rope_sin[tokens.pos][:, None]  # [N, 1, d]
-        kv_len = int((start + q).max())
         mask = None if q == 1 and B == 1 else tokens.mask(kv_len)
 
         c = self.cfg
