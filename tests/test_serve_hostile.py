@@ -179,3 +179,15 @@ def test_fuzzing_the_published_schema_finds_nothing(tiny_dirs):
         assert server.stop() == 0
     assert done.returncode == 0, done.stdout[-4000:]
     assert "passed" in done.stdout and "Traceback" not in log
+
+
+def test_serve_bounds_the_kernel_caches_unless_the_user_sets_them(monkeypatch):
+    """oneDNN / ideep cache a primitive per shape; a server's shapes vary with its batch, so `dspark serve`
+    caps both caches (RSS grew for minutes at their default 1,024 entries) and keeps a user's own value."""
+    from dspark.cli.serve import KERNEL_CACHE_ENTRIES, bound_kernel_caches
+
+    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")
+    bound_kernel_caches()
+    assert os.environ["LRU_CACHE_CAPACITY"] == str(KERNEL_CACHE_ENTRIES) and KERNEL_CACHE_ENTRIES < 1024
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"
