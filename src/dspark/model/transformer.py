@@ -312,9 +312,8 @@ class TargetModel(nn.Module):
             self.prepare(pack=False)
         B, q = input_ids.shape
         start = cache.lengths
-        if num_new is None:
-            num_new = torch.full((B,), q, dtype=torch.long, device=input_ids.device)
-        kv_len = int((start + num_new).max())  # padding is never cached: only real tokens need room
+        end = start + (q if num_new is None else num_new)  # each row's new length: padding is never cached
+        kv_len = int(end.max())
         if kv_len > cache.max_len:
             raise DsparkError(f"sequence of {kv_len} tokens exceeds the context window of {cache.max_len}")
         tokens = TokenLayout(start, num_new, q)
@@ -345,7 +344,7 @@ class TargetModel(nn.Module):
             x = x + kern.down(F.silu(gate) * up)
             if li in tap_set:
                 tapped[li] = x
-        cache.lengths = start + num_new
+        cache.lengths = end
         hidden = self._normed(x, self.norm) if self.fast else rms_norm(x, self.norm, c.rms_norm_eps)
         if c.num_hidden_layers - 1 in tap_set:  # HF's last hidden state, which DeepSpec taps, is after the norm
             tapped[c.num_hidden_layers - 1] = hidden
@@ -358,18 +357,18 @@ class TokenLayout:
     positions `start[b]...`; the projections run on the N real ones packed ([N, ...], row-major),
     attention on the padded [B, q] grid. Without padding packing is a view."""
 
-    def __init__(self, start: torch.Tensor, num_new: torch.Tensor, q: int):
+    def __init__(self, start: torch.Tensor, num_new: torch.Tensor | None, q: int):
+        """`num_new` None: every row brings all q tokens."""
         self.B, self.q = start.shape[0], q
         steps = torch.arange(q, device=start.device)
         self.grid_pos = start[:, None] + steps[None, :]  # [B, q]
-        if bool((num_new == q).all()):
-            self.index = None
-            self.rows = torch.arange(self.B, device=start.device).repeat_interleave(q)
-            self.pos = self.grid_pos.flatten()
-        else:
-            self.index = (steps[None, :] < num_new[:, None]).flatten().nonzero().squeeze(1)  # [N] in B * q
-            self.rows, self.pos = self.index // q, self.grid_pos.flatten()[self.index]
+        self.index = None if num_new is None or bool((num_new == q).all()) else (
+            (steps[None, :] < num_new[:, None]).flatten().nonzero().squeeze(1))  # [N] in B * q
+        self.pos = self.grid_pos.flatten() if self.index is None else self.grid_pos.flatten()[self.index]
         self.single_start = int(start[0]) if self.B == 1 and self.index is None else None
+        if self.single_start is None:  # where `write` scatters each token's K / V
+            self.rows = (torch.arange(self.B, device=start.device).repeat_interleave(q) if self.index is None
+                         else self.index // q)
 
     def pack(self, grid: torch.Tensor) -> torch.Tensor:
         """[B, q, ...] -> [N, ...]."""
