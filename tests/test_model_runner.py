@@ -100,13 +100,14 @@ def test_ragged_padding_is_not_computed_and_writes_no_cache(tiny_targets):
     for dtype in (torch.float32, torch.bfloat16):
         model = load_target(tiny_targets[0][1], dtype=dtype, require_tokenizer=False).model
         cache = model.new_cache(3, 16)
-        cache.kv.fill_(7.0)
+        for layer in cache.kv:
+            layer.fill_(7.0)
         ids = torch.randint(3, 128, (3, 4), generator=torch.Generator().manual_seed(0))
         out = model(ids, cache, num_new=torch.tensor([2, 0, 4]), taps=(0,))
         assert cache.lengths.tolist() == [2, 0, 4]
         for row, n in enumerate((2, 0, 4)):
-            assert bool((cache.kv[:, row, :, n:] == 7.0).all()), (dtype, row)
-            assert not bool((cache.kv[:, row, :, :n] == 7.0).any()), (dtype, row)
+            assert all(bool((layer[row, :, n:] == 7.0).all()) for layer in cache.kv), (dtype, row)
+            assert not any(bool((layer[row, :, :n] == 7.0).any()) for layer in cache.kv), (dtype, row)
             assert bool((out.hidden[row, n:] == 0).all()) and bool((out.taps[row, n:] == 0).all()), (dtype, row)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dspark.cli import bench, data, draft, evaluate, generate, schedule, serve, train
+from dspark.cli import bench, compile, data, draft, evaluate, generate, schedule, serve, train
 from dspark.cli.common import Parser
 from dspark.errors import DsparkError
 
@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="dspark", description=MAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
-    for group in (generate, serve, draft, data, train, evaluate, schedule, bench):
+    for group in (generate, serve, draft, data, train, evaluate, schedule, compile, bench):
         group.add_parsers(sub)
     return parser
 

@@ -38,6 +38,11 @@ def target_args(p: argparse.ArgumentParser, dtype: bool = True, threads: bool = 
             "float32 | bfloat16 | q4 | auto (default). auto: bfloat16 on CPUs with bf16 matrix units "
             "(AMX / AVX512-BF16) and on GPUs, else float32. q4: a GGUF file's Q4_0 / Q4_1 weights run as "
             "stored by int4 kernels (CPU): the fastest plain decoding, but multi-token verification costs more"))
+    if dtype:
+        p.add_argument("--runner", default="auto", choices=("auto", "compiled", "eager"), help=(
+            "auto (default): the compiled bf16 runner where `dspark compile` has built one for this model, "
+            "CPU and thread count (faster, and speculative output token-identical to plain at T = 0), else "
+            "eager PyTorch. compiled: fail without one. eager: never use it"))
     if threads:
         p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
 
@@ -52,4 +57,6 @@ def open_target(args, **kwargs):
         torch.set_num_threads(args.threads)
     if "dtype" not in kwargs:
         kwargs["dtype"] = parse_dtype(args.dtype)
+    if "runner" not in kwargs and hasattr(args, "runner"):
+        kwargs["runner"] = args.runner
     return load_target(args.model, **kwargs)

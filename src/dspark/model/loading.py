@@ -20,6 +20,7 @@ from dspark.model.transformer import TargetModel
 
 DEFAULT_MODEL = "smollm2"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+RUNNERS = ("auto", "compiled", "eager")
 QUANTISED = "q4"  # the GGUF's Q4_0 / Q4_1 layer weights run as stored (int4 kernels), bf16 activations
 
 
@@ -122,8 +123,13 @@ def load_target(
     dtype: torch.dtype | str = "auto",
     pack: bool = True,
     require_tokenizer: bool = True,
+    runner: str = "auto",
 ) -> Target:
-    """`dtype`: a torch dtype, a --dtype name, or "q4" (a GGUF's int4 blocks as stored; CPU only)."""
+    """`dtype`: a torch dtype, a --dtype name, or "q4" (a GGUF's int4 blocks as stored; CPU only).
+    `runner`: "auto" (the compiled runner where `dspark compile` built one for this model, CPU and
+    threads, in bf16; else eager), "compiled" (an error without one) or "eager"."""
+    if runner not in RUNNERS:
+        raise DsparkError(f"unknown runner {runner!r}; choose one of {list(RUNNERS)}")
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     model_dir = resolve_model_dir(spec)
@@ -138,6 +144,8 @@ def load_target(
         model.prepare(quantised=quantised_weights(gguf_source(spec), model))
     else:
         model.prepare(pack=pack)
+    if runner != "eager":
+        model.compiled = _compiled_runner(model, model_dir, required=runner == "compiled")
     tokenizer = None
     if any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         from transformers import AutoTokenizer
@@ -152,3 +160,19 @@ def load_target(
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     return Target(model=model, tokenizer=tokenizer, path=model_dir, eos_token_ids=frozenset(eos))
+
+
+def _compiled_runner(model: TargetModel, model_dir: Path, required: bool):
+    """The compiled runner for this bf16 CPU model, or None (an error if `required`)."""
+    from dspark.model.compiled import load_runner
+
+    if model.precision != "bfloat16" or model.device.type != "cpu":
+        if required:
+            raise DsparkError(f"the compiled runner runs bfloat16 on a CPU; this target is {model.precision} "
+                              f"on {model.device.type} (use --dtype bfloat16 or --runner eager)")
+        return None
+    runner = load_runner(model_dir, model.cfg)
+    if runner is None and required:
+        raise DsparkError(f"no compiled runner for {model_dir.name} on this machine and thread count yet; "
+                          "build it once with `dspark compile` (a few minutes), or use --runner eager")
+    return runner

@@ -57,14 +57,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class KVCache:
     """K/V of every layer for a batch of sequences; each row has its own committed length.
 
-    `kv[layer, b]` holds row b's K heads then its V heads ([2 * kv_heads, max_len, head_dim]).
+    `kv[layer][b]` holds row b's K heads then its V heads ([2 * kv_heads, max_len, head_dim]); one tensor
+    per layer, so that a compiled step can write each in place.
     `lengths[b]` tokens of row b are valid. A forward appends its tokens at positions
     `lengths[b] ...`; `truncate` rolls rows back to any shorter length (speculative rejection).
     """
 
     def __init__(self, cfg: TargetConfig, batch_size: int, max_len: int, dtype: torch.dtype, device="cpu"):
-        shape = (cfg.num_hidden_layers, batch_size, 2 * cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (batch_size, 2 * cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
 
@@ -75,7 +76,7 @@ class KVCache:
     def rows(self, start: int, stop: int) -> KVCache:
         """A view of rows [start, stop) sharing this cache's K/V storage; copy `lengths` back after a forward."""
         view = KVCache.__new__(KVCache)
-        view.kv = self.kv[:, start:stop]
+        view.kv = [layer[start:stop] for layer in self.kv]
         view.lengths = self.lengths[start:stop].clone()
         view.max_len = self.max_len
         return view
@@ -150,6 +151,7 @@ class TargetModel(nn.Module):
         self.precision = "float32" if dtype == torch.float32 else "bfloat16"
         self._kernels: list[LayerKernels] | None = None  # set by `prepare`
         self._lm_head_kernel = None
+        self.compiled = None  # a compiled.CompiledRunner, set by load_target where one is built
 
     # ---- weights -------------------------------------------------------------------------
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
@@ -248,6 +250,8 @@ class TargetModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits from final hidden states (call it only on the positions you need)."""
+        if self.compiled is not None and (logits := self.compiled.logits(hidden)) is not None:
+            return logits
         if self._lm_head_kernel is None:
             self.prepare(pack=False)
         return self._lm_head_kernel(hidden).float()
@@ -316,6 +320,11 @@ class TargetModel(nn.Module):
         kv_len = int(end.max())
         if kv_len > cache.max_len:
             raise DsparkError(f"sequence of {kv_len} tokens exceeds the context window of {cache.max_len}")
+        whole_row = B == 1 and (num_new is None or int(num_new[0]) == q)
+        if self.compiled is not None and whole_row and self.compiled.covers(q, cache.max_len):
+            hidden, taps_out = self.compiled.forward(input_ids, cache.kv, int(start[0]), taps)
+            cache.lengths = end
+            return ForwardOutput(hidden=hidden, taps=taps_out)
         tokens = TokenLayout(start, num_new, q)
         if self.fast:
             cis = self.rope_cis[tokens.pos][:, None]  # [N, 1, d/2]

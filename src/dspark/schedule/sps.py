@@ -51,6 +51,7 @@ def profile_key(target: Target, max_tokens: int, context: int) -> dict:
         "model": str(target.path),
         "dtype": target.model.precision,
         "runner": RUNNER_VERSION,  # a faster runner makes older profiles wrong
+        "compiled": target.model.compiled is not None,
         "threads": torch.get_num_threads(),
         "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else _machine(),
         "max_tokens": max_tokens,

@@ -1,0 +1,223 @@
+"""The compiled runner: the target's forward over a few tokens of one sequence, built once per machine by
+AOTInductor and loaded in about a second.
+
+`StepGraph` is transformer.py's bf16 forward (the same numerics: RMSNorm as one fp32 scale per row with
+its weight folded into the next projection, RoPE on interleaved pairs) written for `torch.export`: one
+sequence, ROWS tokens at positions `pos`, each layer writing its K/V into that layer's buffer by
+position and attending to the whole buffer under a causal mask. Inductor compiles it with the weights
+frozen in (`freezing`) and its C++ GEMM templates (`max_autotune`, CPP backend: AMX / AVX512 / AVX2
+micro-kernels generated for these shapes), so ~120 projections and ~1,000 small eager ops become one
+call. `HeadGraph` is the LM head, compiled the same way.
+
+Verify invariance: every call has the same shapes, ROWS tokens (the real ones, padded with copies of
+the last, which compute the same K/V for the same position) over the request's whole K/V window (the
+single-request decoder sizes it to prompt + max tokens). So a token's logits do not depend on how many
+tokens share its forward or where the window ends: the same kernels, blocking and reduction order run
+for plain decoding and for verification, and at temperature 0 speculative decoding is token-identical
+to plain decoding in this mode (tests/test_compiled.py). Inductor picks a GEMM's blocking from its row
+count (and oneDNN and the SDPA kernel from theirs and the attended length), so a step with dynamic
+shapes was measured not to be: logits moved by up to 2-30 between 1- and 16-token forwards on random
+tokens. The price is a ROWS-token forward for every plain step, which the flat cost curve makes small.
+
+Artifacts live under the dspark cache, keyed by the model, the CPU's flags, torch's version and
+COMPILED_VERSION (`artifact_dir`); `compile_runner` builds them (`dspark compile`), `load_runner` finds
+them (None when absent: the eager runner stays the reference and the fallback).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.errors import DsparkError
+from dspark.util.cache import cache_root
+from dspark.util.journal import json_digest
+from dspark.util.platform import cpu_flags
+
+COMPILED_VERSION = 1  # bumped when StepGraph / HeadGraph or their compile options change
+ROWS = 9  # tokens in every compiled call: an anchor and 8 drafts (more run eager: prefills, longer blocks)
+INDUCTOR_OPTIONS = {
+    "freezing": True,  # weights become constants: GEMM templates prepack them at compile time
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP",  # Inductor's generated micro-kernels only: see the docstring
+}
+
+
+class StepGraph(nn.Module):
+    """The target's forward over k tokens of one sequence (see the module docstring).
+
+    forward(ids [k], pos [k], mask [k, S] bool, *kv: L_layers x [2 * kv_heads, S, head_dim])
+      -> hidden [k, H] (after the final norm), states [k, layers + 1, H] (the embedding output, then each
+         decoder layer's output: what the drafters tap)."""
+
+    def __init__(self, model):
+        super().__init__()
+        c = model.cfg
+        if model.dtype != torch.bfloat16 or model._kernels is None or not model._kernels[0].fold_norms:
+            raise DsparkError("the compiled runner is built from the bfloat16 model prepared unpacked")
+        if c.qk_norm or model._kernels[0].qkv.bias is not None:
+            raise DsparkError(f"the compiled runner does not cover {c.family} models yet (q/k norms or qkv bias)")
+        frozen = lambda t: nn.Parameter(t.detach().clone(), requires_grad=False)
+        self.nh, self.nkv, self.hd, self.eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        self.embed = frozen(model.embed_tokens)
+        self.norm = frozen(model.norm)
+        self.wqkv = nn.ParameterList([frozen(k.qkv.weight) for k in model._kernels])
+        self.wo = nn.ParameterList([frozen(k.o.weight) for k in model._kernels])
+        self.w_gate_up = nn.ParameterList([frozen(k.gate_up.weight) for k in model._kernels])
+        self.w_down = nn.ParameterList([frozen(k.down.weight) for k in model._kernels])
+        self.register_buffer("rope", torch.view_as_real(model.rope_cis).clone())  # [positions, d / 2, 2]
+
+    def _normed(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def _rotated(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on interleaved pairs (transformer.py's complex product, in real arithmetic)."""
+        pairs = qk.float().unflatten(-1, (-1, 2))
+        a, b = pairs[..., 0], pairs[..., 1]
+        return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2).to(qk.dtype)
+
+    def forward(self, ids, pos, mask, *kv):
+        k, width = ids.shape[0], mask.shape[1]  # k = ROWS; width = S
+        nh, nkv, hd = self.nh, self.nkv, self.hd
+        group = nh // nkv
+        rope = self.rope[pos][:, None]  # [k, 1, d / 2, 2]
+        cos, sin = rope[..., 0], rope[..., 1]
+        # each K/V head's group of query heads folded into its query rows (attention.py's decode shape)
+        folded_mask = mask[None, None].expand(1, 1, group, k, width).reshape(1, 1, group * k, width)
+        x = F.embedding(ids, self.embed)
+        states = [x]
+        for li, buf in enumerate(kv):
+            qkv = F.linear(self._normed(x), self.wqkv[li]).view(k, nh + 2 * nkv, hd)
+            qk = self._rotated(qkv[:, : nh + nkv], cos, sin)
+            buf[:, pos] = torch.cat([qk[:, nh:], qkv[:, nh + nkv:]], 1).transpose(0, 1)
+            q = qk[:, :nh].view(k, nkv, group, hd).permute(1, 2, 0, 3).reshape(1, nkv, group * k, hd)
+            attn = F.scaled_dot_product_attention(q, buf[None, :nkv], buf[None, nkv:], attn_mask=folded_mask)
+            x = x + F.linear(attn.view(nkv, group, k, hd).permute(2, 0, 1, 3).reshape(k, nh * hd), self.wo[li])
+            gate, up = F.linear(self._normed(x), self.w_gate_up[li]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, self.w_down[li])
+            states.append(x)
+        return self._normed(x) * self.norm, torch.stack(states, dim=1)
+
+
+class HeadGraph(nn.Module):
+    """The LM head: hidden [n, H] -> fp32 logits [n, V]."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.weight = nn.Parameter(model.lm_head.detach().clone(), requires_grad=False)
+
+    def forward(self, hidden):
+        return F.linear(hidden, self.weight).float()
+
+
+def artifact_key(model_dir: Path) -> dict:
+    """What a compiled runner depends on: the weights (their files' sizes and times), the CPU, the
+    threads its kernels were blocked for, torch, and this module's version."""
+    weights = sorted(p for p in model_dir.iterdir() if p.suffix == ".safetensors")
+    return {
+        "model": str(model_dir.resolve()),
+        "weights": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in weights],
+        "cpu": cpu_flags(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "version": COMPILED_VERSION,
+    }
+
+
+def artifact_dir(model_dir: Path) -> Path:
+    return cache_root() / "compiled" / f"{model_dir.name}-{json_digest(artifact_key(model_dir))}"
+
+
+def compile_runner(model, model_dir: Path, say=print, rows: int = ROWS) -> Path:
+    """Export and compile `model` (bf16, prepared unpacked) for this machine, every call `rows` tokens;
+    returns the artifact directory. Takes minutes (Inductor times its candidate kernels for every
+    product); `say` reports each stage."""
+    import torch._inductor as inductor
+
+    out = artifact_dir(model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    c = model.cfg
+    step, head = StepGraph(model).eval(), HeadGraph(model).eval()
+    window = torch.export.Dim("window", min=rows + 1, max=model.max_positions)
+    kv = [torch.zeros(2 * c.num_key_value_heads, 64, c.head_dim, dtype=torch.bfloat16)
+          for _ in range(c.num_hidden_layers)]
+    ids, pos = torch.zeros(rows, dtype=torch.long), torch.arange(40, 40 + rows)
+    mask = torch.arange(64)[None] <= pos[:, None]
+    started = time.perf_counter()
+    with torch.no_grad():
+        say("exporting the decode step and the LM head (torch.export)")
+        programs = {
+            "step": torch.export.export(step, (ids, pos, mask, *kv),
+                                        dynamic_shapes={"ids": None, "pos": None, "mask": {1: window},
+                                                        "kv": ({1: window},) * len(kv)}),
+            "head": torch.export.export(head, (torch.zeros(rows, c.hidden_size, dtype=torch.bfloat16),)),
+        }
+        for name, program in programs.items():
+            say(f"compiling {name}.pt2 (Inductor's C++ GEMM templates, timed on this CPU; minutes)")
+            partial = out / f"{name}.partial.pt2"
+            inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=INDUCTOR_OPTIONS)
+            os.replace(partial, out / f"{name}.pt2")
+    meta = {"key": artifact_key(model_dir), "rows": rows, "compile_s": round(time.perf_counter() - started, 1),
+            "bytes": sum(p.stat().st_size for p in out.glob("*.pt2"))}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    return out
+
+
+class CompiledRunner:
+    """The loaded artifacts, called by `TargetModel.forward` / `.logits` for what they cover."""
+
+    def __init__(self, directory: Path, cfg):
+        import torch._inductor as inductor
+
+        try:
+            self.step = inductor.aoti_load_package(str(directory / "step.pt2"))
+            self.head = inductor.aoti_load_package(str(directory / "head.pt2"))
+        except (RuntimeError, OSError, ValueError) as e:  # a truncated or foreign file: say what to do
+            raise DsparkError(f"cannot load the compiled runner in {directory} ({type(e).__name__}: {e}); "
+                              "delete that directory and run `dspark compile` again") from None
+        self.layers = cfg.num_hidden_layers
+        self.rows = json.loads((directory / "meta.json").read_text())["rows"]
+
+    def covers(self, q: int, window: int) -> bool:
+        """Whether the step runs q tokens of one sequence whose K/V window is `window` positions."""
+        return q <= self.rows < window
+
+    def forward(self, input_ids: torch.Tensor, kv: list[torch.Tensor], start: int, taps: tuple[int, ...]):
+        """input_ids [1, q] at positions start.. of the one-row cache `kv` -> (hidden [1, q, H], taps
+        [1, q, m, H] or None). The q tokens are padded to `rows` with copies of the last (see the module
+        docstring)."""
+        q = input_ids.shape[1]
+        ids = torch.cat([input_ids[0], input_ids[0, -1:].expand(self.rows - q)])
+        pos = torch.arange(start, start + self.rows).clamp_(max=start + q - 1)
+        mask = torch.arange(kv[0].shape[2])[None] <= pos[:, None]
+        hidden, states = self.step(ids, pos, mask, *[t[0] for t in kv])
+        hidden = hidden[:q]
+        if not taps:
+            return hidden[None], None
+        # states[:, 0] is the embedding output (tap -1); the last layer is tapped after the final norm
+        tapped = [hidden if t == self.layers - 1 else states[:q, t + 1] for t in taps]
+        return hidden[None], torch.stack(tapped, dim=1)[None]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits of hidden [..., H], or None for more than `rows` rows (padded like `forward`)."""
+        rows = hidden.reshape(-1, hidden.shape[-1]).to(torch.bfloat16)
+        n = rows.shape[0]
+        if not 1 <= n <= self.rows:
+            return None
+        logits = self.head(torch.cat([rows, rows[-1:].expand(self.rows - n, -1)]).contiguous())
+        return logits[:n].view(*hidden.shape[:-1], -1)
+
+
+def load_runner(model_dir: Path, cfg) -> CompiledRunner | None:
+    """This machine's compiled runner for the model in `model_dir`, or None where `dspark compile` has not built it."""
+    directory = artifact_dir(model_dir)
+    if not (directory / "meta.json").is_file():
+        return None
+    return CompiledRunner(directory, cfg)

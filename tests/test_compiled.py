@@ -1,0 +1,117 @@
+"""The compiled runner (model/compiled.py) on a tiny random Llama, compiled once for the module (~30 s):
+close to the eager bf16 runner, verify-invariant (a token's logits do not depend on how many tokens
+share its forward), so greedy speculative decoding is token-identical to plain decoding in bf16; and
+the artifacts' life cycle (`dspark compile`, --runner, a corrupt file)."""
+
+import pytest
+import torch
+from helpers import make_random_dspark, make_tiny_hf_model
+
+from dspark.cli import main
+from dspark.decode.generate import Decoder
+from dspark.draft.dspark import DSparkDrafter
+from dspark.errors import DsparkError
+from dspark.model.compiled import ROWS, artifact_dir
+from dspark.model.loading import load_target
+from dspark.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def compiled_dir(tmp_path_factory):
+    """A tiny Llama with its compiled runner built by `dspark compile` into a private cache."""
+    root = tmp_path_factory.mktemp("compiled")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("DSPARK_CACHE_DIR", str(root / "cache"))
+    model_dir = make_tiny_hf_model("llama", root / "model", layers=3)
+    assert main(["compile", "--model", str(model_dir)]) == 0
+    yield model_dir
+    patch.undo()
+
+
+def _load(model_dir, runner="compiled"):
+    return load_target(model_dir, dtype=torch.bfloat16, runner=runner, require_tokenizer=False)
+
+
+def test_compiled_forward_matches_the_eager_bf16_runner(compiled_dir):
+    compiled, eager = _load(compiled_dir), _load(compiled_dir, "eager")
+    assert compiled.model.compiled is not None and eager.model.compiled is None
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    caches = [m.model.new_cache(1, 64) for m in (compiled, eager)]
+    with torch.inference_mode():
+        for start, stop in ((0, 7), (7, 8), (8, 17), (17, 40)):  # compiled x 3 (padded to ROWS), then eager
+            outs = [t.model(ids[:, start:stop], c, taps=(-1, 1, 2)) for t, c in zip((compiled, eager), caches)]
+            assert [int(c.lengths[0]) for c in caches] == [stop, stop]
+            assert outs[0].taps.shape == outs[1].taps.shape == (1, stop - start, 3, 64)
+            torch.testing.assert_close(outs[0].hidden.float(), outs[1].hidden.float(), atol=0.1, rtol=0.05)
+            torch.testing.assert_close(outs[0].taps.float(), outs[1].taps.float(), atol=0.1, rtol=0.05)
+            logits = [t.model.logits(o.hidden[0]) for t, o in zip((compiled, eager), outs)]
+            assert logits[0].dtype == torch.float32
+            agree = (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean()
+            assert agree >= 0.8, (start, stop, agree)
+        for a, b in zip(caches[0].kv, caches[1].kv):
+            torch.testing.assert_close(a[:, :, :40].float(), b[:, :, :40].float(), atol=0.1, rtol=0.05)
+
+
+def test_a_tokens_logits_do_not_depend_on_how_many_tokens_share_its_forward(compiled_dir):
+    model = _load(compiled_dir).model
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        def logits_in_chunks(sizes):
+            cache = model.new_cache(1, 48)
+            model(ids[:, :12], cache)
+            out, pos = [], 12
+            for k in sizes:
+                out.append(model.logits(model(ids[:, pos : pos + k], cache).hidden[0]))
+                pos += k
+            return torch.cat(out)
+
+        one_by_one = logits_in_chunks([1] * 18)
+        for sizes in ([ROWS, ROWS], [2, 5, 3, 8], [4, 1, 6, 7]):
+            assert torch.equal(logits_in_chunks(sizes), one_by_one), sizes
+
+
+def test_greedy_speculative_equals_plain_greedy_in_compiled_bf16(compiled_dir):
+    target = _load(compiled_dir)
+    drafter = make_random_dspark(target, "vanilla", block_size=ROWS - 1, std=0.3)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 128, (int(n),), generator=gen).tolist() for n in (3, 11, 20, 6)]
+    plain = Decoder(target)
+    spec = Decoder(target, DSparkDrafter(drafter.model, target))
+    greedy = SamplingParams(temperature=0.0)
+    verified = 0
+    for p in prompts:
+        result = spec.generate(p, 30, greedy)
+        assert result.token_ids == plain.generate(p, 30, greedy).token_ids
+        verified += sum(r.verified for r in result.rounds)
+    assert verified > 0
+
+
+def test_runner_choice_and_artifact_life_cycle(compiled_dir, tmp_path, monkeypatch, capsys):
+    assert main(["compile", "--model", str(compiled_dir)]) == 0
+    assert "already compiled" in capsys.readouterr().out
+    assert _load(compiled_dir, "auto").model.compiled is not None
+    assert load_target(compiled_dir, dtype=torch.float32, require_tokenizer=False).model.compiled is None
+    with pytest.raises(DsparkError, match="runs bfloat16"):
+        load_target(compiled_dir, dtype=torch.float32, runner="compiled", require_tokenizer=False)
+    with pytest.raises(DsparkError, match="unknown runner"):
+        load_target(compiled_dir, dtype=torch.bfloat16, runner="fast", require_tokenizer=False)
+
+    step = artifact_dir(compiled_dir) / "step.pt2"
+    saved = step.read_bytes()
+    try:
+        step.write_bytes(saved[: len(saved) // 2])
+        with pytest.raises(DsparkError, match="run `dspark compile` again"):
+            _load(compiled_dir, "auto")
+    finally:
+        step.write_bytes(saved)
+
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "empty"))
+    assert _load(compiled_dir, "auto").model.compiled is None  # a fresh machine: eager, quick
+    with pytest.raises(DsparkError, match="dspark compile"):
+        _load(compiled_dir, "compiled")
+
+
+def test_compile_refuses_what_the_step_does_not_cover(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
+    qwen3 = make_tiny_hf_model("qwen3", tmp_path / "qwen3", tie=True)
+    assert main(["compile", "--model", str(qwen3)]) == 1  # a one-line error, no traceback
