@@ -5,9 +5,10 @@ In one process, prompt by prompt with the engines in rotated order, greedy, 2 th
     BF16 requantisation of it (written once under the dspark cache);
   * dspark's runner in each precision mode, fp32, bf16 and q4 (the `Decoder` of
     `dspark generate --drafter none --dtype X --runner eager`), and the compiled bf16 runner
-    (`--runner compiled`, built beforehand by `dspark compile`);
+    (`--runner compiled`) and its int8 weight-only form (`--dtype int8`), built beforehand by
+    `dspark compile [--dtype int8]`;
   * `dspark generate`'s default (the shipped drafter, the dspark rule) on the eager runner of the dtype
-    `auto` picks, on the compiled bf16 runner, and on the q4 runner;
+    `auto` picks, on the compiled bf16 and int8 runners, and on the q4 runner;
 decode tok/s (prefill excluded), medians over prompts; then the cost of one k-token forward
 (k = 1, 2, 4, 8, 9, 16, after a 200-token context, logits of the k positions; runners and k
 interleaved, medians) for every runner, the curve speculation lives on. SPS profiles the dspark rule needs are measured beforehand by
@@ -32,6 +33,7 @@ import torch
 from dspark.decode.generate import Decoder
 from dspark.decode.speculation import load_speculation
 from dspark.eval.llama_cpp import LlamaCppDecoder, bf16_gguf
+from dspark.eval.prompts import load_eval_prompts
 from dspark.model.compiled import ROWS
 from dspark.model.loading import default_dtype, embedded_gguf_path, load_target
 from dspark.util.platform import cpu_flags
@@ -182,30 +184,31 @@ def main():
     gguf = embedded_gguf_path()
     q4_one_token = "amx_bf16" in cpu_flags()  # see LlamaCpp
     auto = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[default_dtype()]
-    modes = [(auto, "eager"), ("q4", "eager"), ("bfloat16", "compiled")]
+    modes = [(auto, "eager"), ("q4", "eager"), ("bfloat16", "compiled"), ("int8", "compiled")]
     for precision, runner in modes:  # the dspark rule's SPS / draft-cost profiles, in processes of their own
         subprocess.run([sys.executable, "-m", "dspark.cli", "generate", "--dtype", precision, "--runner", runner,
                         "--threads", "2", "--prompt", "Hi", "--max-new-tokens", "2"], check=True,
                        stdout=subprocess.DEVNULL)
     targets = {p: load_target(None, dtype=p, runner="eager") for p in ("float32", "bfloat16", "q4")}
     targets["compiled"] = load_target(None, dtype="bfloat16", runner="compiled")
+    targets["int8"] = load_target(None, dtype="int8", runner="compiled")
     engines = {"llama.cpp Q4_1": LlamaCpp(gguf, q4_one_token), "llama.cpp BF16": LlamaCpp(bf16_gguf(gguf)),
                "dspark fp32": Dspark(targets["float32"]), "dspark bf16": Dspark(targets["bfloat16"]),
-               "dspark bf16 compiled": Dspark(targets["compiled"]), "dspark q4": Dspark(targets["q4"]),
+               "dspark bf16 compiled": Dspark(targets["compiled"]), "dspark int8 compiled": Dspark(targets["int8"]),
+               "dspark q4": Dspark(targets["q4"]),
                f"DSpark default ({auto})": Dspark(targets[auto], drafter=True),
                "DSpark bf16 compiled": Dspark(targets["compiled"], drafter=True),
+               "DSpark int8 compiled": Dspark(targets["int8"], drafter=True),
                "DSpark q4": Dspark(targets["q4"], drafter=True)}
     runners = [n for n in engines if not n.startswith("DSpark")]
     tok = targets["float32"]
-    prompts = []
-    for name in SETS:
-        with open(ROOT / "data" / "eval" / f"{name}.jsonl") as f:
-            prompts += [json.loads(line)["turns"][0] for line, _ in zip(f, range(args.prompts_per_set))]
+    prompts = [p for name in SETS for p in load_eval_prompts(name)[: args.prompts_per_set]]
     names = list(engines)
     rates: dict[str, list[float]] = {n: [] for n in names}
     agree: dict[str, int] = {n: 0 for n in names}
     spec_equals_plain = {f"DSpark default ({auto})": f"dspark {AUTO_NAME[auto]}", "DSpark q4": "dspark q4",
-                         "DSpark bf16 compiled": "dspark bf16 compiled"}  # greedy identity in each mode
+                         "DSpark bf16 compiled": "dspark bf16 compiled",
+                         "DSpark int8 compiled": "dspark int8 compiled"}  # greedy identity in each mode
     identical = {n: 0 for n in spec_equals_plain}
     sequences = []
     for i, text in enumerate(prompts):
@@ -233,6 +236,7 @@ def main():
     med = {n: statistics.median(v) for n, v in rates.items()}
     distance = {p: logit_distance(targets[p], targets["float32"], sequences) for p in ("bfloat16", "q4")}
     distance["bfloat16 compiled"] = logit_distance(targets["compiled"], targets["float32"], sequences, ROWS)
+    distance["int8 compiled"] = logit_distance(targets["int8"], targets["float32"], sequences, ROWS)
     report = {
         "command": f"benchmarks/bench_runner.py --prompts-per-set {args.prompts_per_set} --new-tokens {args.new_tokens}"
                    f" --forward-reps {args.forward_reps}",
@@ -253,6 +257,8 @@ def main():
             "dspark AR, bf16 compiled vs llama.cpp Q4_1": med["dspark bf16 compiled"] / med["llama.cpp Q4_1"],
             f"DSpark default ({auto}) vs llama.cpp Q4_1": med[f"DSpark default ({auto})"] / med["llama.cpp Q4_1"],
             "DSpark bf16 compiled vs llama.cpp Q4_1": med["DSpark bf16 compiled"] / med["llama.cpp Q4_1"],
+            "dspark AR, int8 compiled vs llama.cpp Q4_1": med["dspark int8 compiled"] / med["llama.cpp Q4_1"],
+            "DSpark int8 compiled vs llama.cpp Q4_1": med["DSpark int8 compiled"] / med["llama.cpp Q4_1"],
             "DSpark q4 vs llama.cpp Q4_1": med["DSpark q4"] / med["llama.cpp Q4_1"]},
     }
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

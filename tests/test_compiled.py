@@ -1,7 +1,7 @@
-"""The compiled runner (model/compiled.py) on a tiny random Llama, compiled once for the module (~30 s):
-close to the eager bf16 runner, verify-invariant (a token's logits do not depend on how many tokens
-share its forward), so greedy speculative decoding is token-identical to plain decoding in bf16; and
-the artifacts' life cycle (`dspark compile`, --runner, a corrupt file)."""
+"""The compiled runner (model/compiled.py) on a tiny random Llama, compiled once for the module with bf16
+and with int8 weights (~30 s each): close to the eager bf16 runner, verify-invariant (a token's logits do
+not depend on how many tokens share its forward), so greedy speculative decoding is token-identical to
+plain decoding in both modes; and the artifacts' life cycle (`dspark compile`, --runner, a corrupt file)."""
 
 import pytest
 import torch
@@ -24,16 +24,20 @@ def compiled_dir(tmp_path_factory):
     patch.setenv("DSPARK_CACHE_DIR", str(root / "cache"))
     model_dir = make_tiny_hf_model("llama", root / "model", layers=3)
     assert main(["compile", "--model", str(model_dir)]) == 0
+    assert main(["compile", "--model", str(model_dir), "--dtype", "int8"]) == 0
     yield model_dir
     patch.undo()
 
 
-def _load(model_dir, runner="compiled"):
-    return load_target(model_dir, dtype=torch.bfloat16, runner=runner, require_tokenizer=False)
+def _load(model_dir, runner="compiled", dtype="bfloat16"):
+    return load_target(model_dir, dtype=dtype, runner=runner, require_tokenizer=False)
 
 
-def test_compiled_forward_matches_the_eager_bf16_runner(compiled_dir):
-    compiled, eager = _load(compiled_dir), _load(compiled_dir, "eager")
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_compiled_forward_matches_the_eager_bf16_runner(compiled_dir, dtype):
+    compiled, eager = _load(compiled_dir, dtype=dtype), _load(compiled_dir, "eager")
+    # bf16: other kernels, the same weights; int8: weights rounded to 255 levels per output channel
+    tolerance = {"atol": 0.1, "rtol": 0.05} if dtype == "bfloat16" else {"atol": 0.4, "rtol": 0.1}
     assert compiled.model.compiled is not None and eager.model.compiled is None
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     caches = [m.model.new_cache(1, 64) for m in (compiled, eager)]
@@ -42,18 +46,19 @@ def test_compiled_forward_matches_the_eager_bf16_runner(compiled_dir):
             outs = [t.model(ids[:, start:stop], c, taps=(-1, 1, 2)) for t, c in zip((compiled, eager), caches)]
             assert [int(c.lengths[0]) for c in caches] == [stop, stop]
             assert outs[0].taps.shape == outs[1].taps.shape == (1, stop - start, 3, 64)
-            torch.testing.assert_close(outs[0].hidden.float(), outs[1].hidden.float(), atol=0.1, rtol=0.05)
-            torch.testing.assert_close(outs[0].taps.float(), outs[1].taps.float(), atol=0.1, rtol=0.05)
+            torch.testing.assert_close(outs[0].hidden.float(), outs[1].hidden.float(), **tolerance)
+            torch.testing.assert_close(outs[0].taps.float(), outs[1].taps.float(), **tolerance)
             logits = [t.model.logits(o.hidden[0]) for t, o in zip((compiled, eager), outs)]
             assert logits[0].dtype == torch.float32
             agree = (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean()
             assert agree >= 0.8, (start, stop, agree)
         for a, b in zip(caches[0].kv, caches[1].kv):
-            torch.testing.assert_close(a[:, :, :40].float(), b[:, :, :40].float(), atol=0.1, rtol=0.05)
+            torch.testing.assert_close(a[:, :, :40].float(), b[:, :, :40].float(), **tolerance)
 
 
-def test_a_tokens_logits_do_not_depend_on_how_many_tokens_share_its_forward(compiled_dir):
-    model = _load(compiled_dir).model
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_a_tokens_logits_do_not_depend_on_how_many_tokens_share_its_forward(compiled_dir, dtype):
+    model = _load(compiled_dir, dtype=dtype).model
     ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         def logits_in_chunks(sizes):
@@ -70,8 +75,9 @@ def test_a_tokens_logits_do_not_depend_on_how_many_tokens_share_its_forward(comp
             assert torch.equal(logits_in_chunks(sizes), one_by_one), sizes
 
 
-def test_greedy_speculative_equals_plain_greedy_in_compiled_bf16(compiled_dir):
-    target = _load(compiled_dir)
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_greedy_speculative_equals_plain_greedy_in_compiled_modes(compiled_dir, dtype):
+    target = _load(compiled_dir, dtype=dtype)
     drafter = make_random_dspark(target, "vanilla", block_size=ROWS - 1, std=0.3)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 128, (int(n),), generator=gen).tolist() for n in (3, 11, 20, 6)]
@@ -105,10 +111,16 @@ def test_runner_choice_and_artifact_life_cycle(compiled_dir, tmp_path, monkeypat
     finally:
         step.write_bytes(saved)
 
+    assert _load(compiled_dir, "auto", "int8").model.precision == "int8"
+    with pytest.raises(DsparkError, match="compiled runner only"):
+        _load(compiled_dir, "eager", "int8")
+
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "empty"))
     assert _load(compiled_dir, "auto").model.compiled is None  # a fresh machine: eager, quick
-    with pytest.raises(DsparkError, match="dspark compile"):
+    with pytest.raises(DsparkError, match="`dspark compile`"):
         _load(compiled_dir, "compiled")
+    with pytest.raises(DsparkError, match="`dspark compile --dtype int8`"):
+        _load(compiled_dir, "auto", "int8")
 
 
 def test_compile_refuses_what_the_step_does_not_cover(tmp_path, monkeypatch):

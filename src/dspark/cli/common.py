@@ -35,9 +35,11 @@ def target_args(p: argparse.ArgumentParser, dtype: bool = True, threads: bool = 
     p.add_argument("--model", default=None, help="target: HF model directory or .gguf file (default: embedded SmolLM2)")
     if dtype:
         p.add_argument("--dtype", default="auto", help=(
-            "float32 | bfloat16 | q4 | auto (default). auto: bfloat16 on CPUs with bf16 matrix units "
+            "float32 | bfloat16 | q4 | int8 | auto (default). auto: bfloat16 on CPUs with bf16 matrix units "
             "(AMX / AVX512-BF16) and on GPUs, else float32. q4: a GGUF file's Q4_0 / Q4_1 weights run as "
-            "stored by int4 kernels (CPU): the fastest plain decoding, but multi-token verification costs more"))
+            "stored by int4 kernels (CPU): fast plain decoding, but multi-token verification costs more. "
+            "int8: the compiled runner with int8 weight-only projections (build it with `dspark compile "
+            "--dtype int8`)"))
     if dtype:
         p.add_argument("--runner", default="auto", choices=("auto", "compiled", "eager"), help=(
             "auto (default): the compiled bf16 runner where `dspark compile` has built one for this model, "

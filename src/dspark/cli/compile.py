@@ -15,6 +15,9 @@ def add_parsers(sub) -> None:
         "takes about a second. Commands with --runner auto (the default) use it from then on.",
     )
     target_args(p, dtype=False, threads=True)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "int8"), help=(
+        "how the projections' weights are stored: bfloat16 (default; `--dtype bfloat16` / `auto` use it) or "
+        "int8 weight-only, one scale per output channel (half the bytes; `--dtype int8` uses it)"))
     p.add_argument("--force", action="store_true", help="compile again even if this machine's runner exists")
     p.set_defaults(func=cmd_compile)
 
@@ -28,13 +31,15 @@ def cmd_compile(args) -> int:
     from dspark.model.compiled import artifact_dir, compile_runner
 
     target = open_target(args, dtype=torch.bfloat16, pack=False, runner="eager", require_tokenizer=False)
-    out = artifact_dir(target.path)
+    weights = "int8" if args.dtype == "int8" else "bf16"
+    out = artifact_dir(target.path, weights)
     if (out / "meta.json").is_file() and not args.force:
         print(f"already compiled for this machine: {out} (--force to build again)")
         return 0
     started = time.perf_counter()
     say = lambda text: print(f"[{time.perf_counter() - started:6.1f} s] {text}", flush=True)
-    compile_runner(target.model, target.path, say)
+    compile_runner(target.model, target.path, weights, say=say)
     meta = json.loads((out / "meta.json").read_text())
-    say(f"done: {out} ({meta['bytes'] / 2**20:.0f} MiB); --runner auto uses it from now on")
+    use = "--dtype int8 uses it" if weights == "int8" else "--runner auto uses it from now on"
+    say(f"done: {out} ({meta['bytes'] / 2**20:.0f} MiB); {use}")
     return 0

@@ -41,6 +41,7 @@ from dspark.util.journal import json_digest
 from dspark.util.platform import cpu_flags
 
 COMPILED_VERSION = 1  # bumped when StepGraph / HeadGraph or their compile options change
+WEIGHTS = ("bf16", "int8")  # how the compiled runner stores the projections' weights (see Projection)
 ROWS = 9  # tokens in every compiled call: an anchor and 8 drafts (more run eager: prefills, longer blocks)
 INDUCTOR_OPTIONS = {
     "freezing": True,  # weights become constants: GEMM templates prepack them at compile time
@@ -56,7 +57,7 @@ class StepGraph(nn.Module):
       -> hidden [k, H] (after the final norm), states [k, layers + 1, H] (the embedding output, then each
          decoder layer's output: what the drafters tap)."""
 
-    def __init__(self, model):
+    def __init__(self, model, weights: str = "bf16"):
         super().__init__()
         c = model.cfg
         if model.dtype != torch.bfloat16 or model._kernels is None or not model._kernels[0].fold_norms:
@@ -67,10 +68,9 @@ class StepGraph(nn.Module):
         self.nh, self.nkv, self.hd, self.eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         self.embed = frozen(model.embed_tokens)
         self.norm = frozen(model.norm)
-        self.wqkv = nn.ParameterList([frozen(k.qkv.weight) for k in model._kernels])
-        self.wo = nn.ParameterList([frozen(k.o.weight) for k in model._kernels])
-        self.w_gate_up = nn.ParameterList([frozen(k.gate_up.weight) for k in model._kernels])
-        self.w_down = nn.ParameterList([frozen(k.down.weight) for k in model._kernels])
+        self.wqkv, self.wo, self.w_gate_up, self.w_down = (
+            nn.ModuleList([Projection(getattr(k, name).weight, weights) for k in model._kernels])
+            for name in ("qkv", "o", "gate_up", "down"))
         self.register_buffer("rope", torch.view_as_real(model.rope_cis).clone())  # [positions, d / 2, 2]
 
     def _normed(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,14 +94,14 @@ class StepGraph(nn.Module):
         x = F.embedding(ids, self.embed)
         states = [x]
         for li, buf in enumerate(kv):
-            qkv = F.linear(self._normed(x), self.wqkv[li]).view(k, nh + 2 * nkv, hd)
+            qkv = self.wqkv[li](self._normed(x)).view(k, nh + 2 * nkv, hd)
             qk = self._rotated(qkv[:, : nh + nkv], cos, sin)
             buf[:, pos] = torch.cat([qk[:, nh:], qkv[:, nh + nkv:]], 1).transpose(0, 1)
             q = qk[:, :nh].view(k, nkv, group, hd).permute(1, 2, 0, 3).reshape(1, nkv, group * k, hd)
             attn = F.scaled_dot_product_attention(q, buf[None, :nkv], buf[None, nkv:], attn_mask=folded_mask)
-            x = x + F.linear(attn.view(nkv, group, k, hd).permute(2, 0, 1, 3).reshape(k, nh * hd), self.wo[li])
-            gate, up = F.linear(self._normed(x), self.w_gate_up[li]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, self.w_down[li])
+            x = x + self.wo[li](attn.view(nkv, group, k, hd).permute(2, 0, 1, 3).reshape(k, nh * hd))
+            gate, up = self.w_gate_up[li](self._normed(x)).chunk(2, dim=-1)
+            x = x + self.w_down[li](F.silu(gate) * up)
             states.append(x)
         return self._normed(x) * self.norm, torch.stack(states, dim=1)
 
@@ -109,21 +109,47 @@ class StepGraph(nn.Module):
 class HeadGraph(nn.Module):
     """The LM head: hidden [n, H] -> fp32 logits [n, V]."""
 
-    def __init__(self, model):
+    def __init__(self, model, weights: str = "bf16"):
         super().__init__()
-        self.weight = nn.Parameter(model.lm_head.detach().clone(), requires_grad=False)
+        self.head = Projection(model.lm_head, weights)
 
     def forward(self, hidden):
-        return F.linear(hidden, self.weight).float()
+        return self.head(hidden).float()
 
 
-def artifact_key(model_dir: Path) -> dict:
-    """What a compiled runner depends on: the weights (their files' sizes and times), the CPU, the
-    threads its kernels were blocked for, torch, and this module's version."""
-    weights = sorted(p for p in model_dir.iterdir() if p.suffix == ".safetensors")
+class Projection(nn.Module):
+    """x @ W.T for one frozen weight, stored as `weights` says: "bf16" as it is, or "int8" weight-only
+    (one scale per output channel, max |W| / 127 rounded to bf16, then W / scale rounded), the form
+    Inductor's C++ GEMM template takes for int8 weights (`_weight_int8pack_mm`, scale as an epilogue)."""
+
+    def __init__(self, weight: torch.Tensor, weights: str):
+        super().__init__()
+        if weights not in WEIGHTS:
+            raise DsparkError(f"unknown compiled weight format {weights!r}; choose one of {list(WEIGHTS)}")
+        self.int8 = weights == "int8"
+        w = weight.detach()
+        if self.int8:
+            w = w.float()
+            scale = (w.abs().amax(dim=1).clamp(min=1e-8) / 127).to(torch.bfloat16)
+            self.register_buffer("weight", torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8))
+            self.register_buffer("scale", scale)
+        else:
+            self.weight = nn.Parameter(w.clone(), requires_grad=False)
+
+    def forward(self, x):
+        if self.int8:
+            return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
+        return F.linear(x, self.weight)
+
+
+def artifact_key(model_dir: Path, weights: str = "bf16") -> dict:
+    """What a compiled runner depends on: the weights (their files' sizes and times) and their format,
+    the CPU, the threads its kernels were blocked for, torch, and this module's version."""
+    files = sorted(p for p in model_dir.iterdir() if p.suffix == ".safetensors")
     return {
         "model": str(model_dir.resolve()),
-        "weights": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in weights],
+        "format": weights,
+        "weights": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
         "cpu": cpu_flags(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -131,20 +157,21 @@ def artifact_key(model_dir: Path) -> dict:
     }
 
 
-def artifact_dir(model_dir: Path) -> Path:
-    return cache_root() / "compiled" / f"{model_dir.name}-{json_digest(artifact_key(model_dir))}"
+def artifact_dir(model_dir: Path, weights: str = "bf16") -> Path:
+    key = artifact_key(model_dir, weights)
+    return cache_root() / "compiled" / f"{model_dir.name}-{weights}-{json_digest(key)}"
 
 
-def compile_runner(model, model_dir: Path, say=print, rows: int = ROWS) -> Path:
-    """Export and compile `model` (bf16, prepared unpacked) for this machine, every call `rows` tokens;
-    returns the artifact directory. Takes minutes (Inductor times its candidate kernels for every
+def compile_runner(model, model_dir: Path, weights: str = "bf16", say=print, rows: int = ROWS) -> Path:
+    """Export and compile `model` (bf16, prepared unpacked) for this machine, its projections stored as
+    `weights` (WEIGHTS), every call `rows` tokens; returns the artifact directory. Takes minutes (Inductor times its candidate kernels for every
     product); `say` reports each stage."""
     import torch._inductor as inductor
 
-    out = artifact_dir(model_dir)
+    out = artifact_dir(model_dir, weights)
     out.mkdir(parents=True, exist_ok=True)
     c = model.cfg
-    step, head = StepGraph(model).eval(), HeadGraph(model).eval()
+    step, head = StepGraph(model, weights).eval(), HeadGraph(model, weights).eval()
     window = torch.export.Dim("window", min=rows + 1, max=model.max_positions)
     kv = [torch.zeros(2 * c.num_key_value_heads, 64, c.head_dim, dtype=torch.bfloat16)
           for _ in range(c.num_hidden_layers)]
@@ -164,7 +191,7 @@ def compile_runner(model, model_dir: Path, say=print, rows: int = ROWS) -> Path:
             partial = out / f"{name}.partial.pt2"
             inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=INDUCTOR_OPTIONS)
             os.replace(partial, out / f"{name}.pt2")
-    meta = {"key": artifact_key(model_dir), "rows": rows, "compile_s": round(time.perf_counter() - started, 1),
+    meta = {"key": artifact_key(model_dir, weights), "rows": rows, "compile_s": round(time.perf_counter() - started, 1),
             "bytes": sum(p.stat().st_size for p in out.glob("*.pt2"))}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     return out
@@ -215,9 +242,10 @@ class CompiledRunner:
         return logits[:n].view(*hidden.shape[:-1], -1)
 
 
-def load_runner(model_dir: Path, cfg) -> CompiledRunner | None:
-    """This machine's compiled runner for the model in `model_dir`, or None where `dspark compile` has not built it."""
-    directory = artifact_dir(model_dir)
+def load_runner(model_dir: Path, cfg, weights: str = "bf16") -> CompiledRunner | None:
+    """This machine's compiled runner for the model in `model_dir` with `weights`, or None where
+    `dspark compile` has not built it."""
+    directory = artifact_dir(model_dir, weights)
     if not (directory / "meta.json").is_file():
         return None
     return CompiledRunner(directory, cfg)

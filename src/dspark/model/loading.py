@@ -22,6 +22,7 @@ DEFAULT_MODEL = "smollm2"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 RUNNERS = ("auto", "compiled", "eager")
 QUANTISED = "q4"  # the GGUF's Q4_0 / Q4_1 layer weights run as stored (int4 kernels), bf16 activations
+INT8 = "int8"  # int8 weight-only projections in the compiled runner (model/compiled.py), bf16 activations
 
 
 def default_dtype() -> torch.dtype:
@@ -35,19 +36,19 @@ def parse_dtype(name: str, quantised: bool = True) -> torch.dtype | str:
     """A --dtype value: a torch dtype, or "q4" where the target is run (`quantised`)."""
     if name == "auto":
         return default_dtype()
-    if quantised and name == QUANTISED:
-        return QUANTISED
+    if quantised and name in (QUANTISED, INT8):
+        return name
     try:
         return DTYPES[name]
     except KeyError:
-        choices = sorted(DTYPES) + ([QUANTISED] if quantised else [])
+        choices = sorted(DTYPES) + ([QUANTISED, INT8] if quantised else [])
         raise DsparkError(f"unknown dtype {name!r}; choose auto or one of {choices}") from None
 
 
 def dtype_key(model: TargetModel) -> str:
     """The precision a results journal records ("torch.float32" / "torch.bfloat16", as journals before
     the q4 mode wrote it, or "q4"), so that a rerun resumes only what ran in the same mode."""
-    return QUANTISED if model.precision == QUANTISED else str(model.dtype)
+    return model.precision if model.precision in (QUANTISED, INT8) else str(model.dtype)
 
 
 def gguf_file_of(spec: str | os.PathLike | None) -> Path | None:
@@ -125,7 +126,8 @@ def load_target(
     require_tokenizer: bool = True,
     runner: str = "auto",
 ) -> Target:
-    """`dtype`: a torch dtype, a --dtype name, or "q4" (a GGUF's int4 blocks as stored; CPU only).
+    """`dtype`: a torch dtype, a --dtype name, "q4" (a GGUF's int4 blocks as stored; CPU only) or
+    "int8" (the compiled runner's int8 weight-only projections; bf16 eager for what it does not run).
     `runner`: "auto" (the compiled runner where `dspark compile` built one for this model, CPU and
     threads, in bf16; else eager), "compiled" (an error without one) or "eager"."""
     if runner not in RUNNERS:
@@ -134,10 +136,12 @@ def load_target(
         dtype = parse_dtype(dtype)
     model_dir = resolve_model_dir(spec)
     cfg = load_target_config(model_dir)
-    quantised = dtype == QUANTISED
-    if quantised and torch.cuda.is_available():
-        raise DsparkError("--dtype q4 runs on the CPU only; use --dtype bfloat16 on a GPU")
-    model = TargetModel(cfg, dtype=torch.bfloat16 if quantised else dtype)
+    quantised, int8 = dtype == QUANTISED, dtype == INT8
+    if (quantised or int8) and torch.cuda.is_available():
+        raise DsparkError(f"--dtype {dtype} runs on the CPU only; use --dtype bfloat16 on a GPU")
+    if int8 and runner == "eager":
+        raise DsparkError("--dtype int8 runs on the compiled runner only; drop --runner eager")
+    model = TargetModel(cfg, dtype=torch.bfloat16 if quantised or int8 else dtype)
     model.load_hf_state_dict(read_state_dict(model_dir))
     model.eval()
     if quantised:
@@ -145,7 +149,10 @@ def load_target(
     else:
         model.prepare(pack=pack)
     if runner != "eager":
-        model.compiled = _compiled_runner(model, model_dir, required=runner == "compiled")
+        weights = "int8" if int8 else "bf16"
+        model.compiled = _compiled_runner(model, model_dir, weights, required=int8 or runner == "compiled")
+        if int8:
+            model.precision = INT8
     tokenizer = None
     if any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         from transformers import AutoTokenizer
@@ -162,8 +169,8 @@ def load_target(
     return Target(model=model, tokenizer=tokenizer, path=model_dir, eos_token_ids=frozenset(eos))
 
 
-def _compiled_runner(model: TargetModel, model_dir: Path, required: bool):
-    """The compiled runner for this bf16 CPU model, or None (an error if `required`)."""
+def _compiled_runner(model: TargetModel, model_dir: Path, weights: str, required: bool):
+    """The compiled runner with `weights` for this bf16 CPU model, or None (an error if `required`)."""
     from dspark.model.compiled import load_runner
 
     if model.precision != "bfloat16" or model.device.type != "cpu":
@@ -171,8 +178,10 @@ def _compiled_runner(model: TargetModel, model_dir: Path, required: bool):
             raise DsparkError(f"the compiled runner runs bfloat16 on a CPU; this target is {model.precision} "
                               f"on {model.device.type} (use --dtype bfloat16 or --runner eager)")
         return None
-    runner = load_runner(model_dir, model.cfg)
+    runner = load_runner(model_dir, model.cfg, weights)
     if runner is None and required:
-        raise DsparkError(f"no compiled runner for {model_dir.name} on this machine and thread count yet; "
-                          "build it once with `dspark compile` (a few minutes), or use --runner eager")
+        build = "dspark compile" + (" --dtype int8" if weights == "int8" else "")
+        instead = "--dtype bfloat16" if weights == "int8" else "--runner eager"
+        raise DsparkError(f"no compiled {weights} runner for {model_dir.name} on this machine and thread count "
+                          f"yet; build it once with `{build}` (a few minutes), or use {instead}")
     return runner
