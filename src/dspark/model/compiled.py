@@ -40,13 +40,15 @@ from dspark.util.cache import cache_root
 from dspark.util.journal import json_digest
 from dspark.util.platform import cpu_flags
 
-COMPILED_VERSION = 1  # bumped when StepGraph / HeadGraph or their compile options change
+COMPILED_VERSION = 2  # bumped when StepGraph / HeadGraph or their compile options change
 WEIGHTS = ("bf16", "int8")  # how the compiled runner stores the projections' weights (see Projection)
 ROWS = 9  # tokens in every compiled call: an anchor and 8 drafts (more run eager: prefills, longer blocks)
 INDUCTOR_OPTIONS = {
     "freezing": True,  # weights become constants: GEMM templates prepack them at compile time
     "max_autotune": True,
-    "max_autotune_gemm_backends": "CPP",  # Inductor's generated micro-kernels only: see the docstring
+    # Inductor's generated micro-kernels, timed beside ATen's products (which won none of these shapes
+    # on the AMX Xeon, at 20-80% of their speed) and taken where no micro-kernel fits the CPU
+    "max_autotune_gemm_backends": "CPP,ATEN",
 }
 
 
