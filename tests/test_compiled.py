@@ -111,12 +111,18 @@ def test_runner_choice_and_artifact_life_cycle(compiled_dir, tmp_path, monkeypat
     finally:
         step.write_bytes(saved)
 
+    generate = ["generate", "--model", str(compiled_dir), "--prompt-ids", "5,9,17", "--max-new-tokens", "3",
+                "--dtype", "bfloat16", "--drafter", "none"]
+    assert main(generate) == 0
+    assert "bfloat16 compiled" in capsys.readouterr().err
     assert _load(compiled_dir, "auto", "int8").model.precision == "int8"
     with pytest.raises(DsparkError, match="compiled runner only"):
         _load(compiled_dir, "eager", "int8")
 
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "empty"))
     assert _load(compiled_dir, "auto").model.compiled is None  # a fresh machine: eager, quick
+    assert main(generate) == 0
+    assert "bfloat16 eager (run `dspark compile` once" in capsys.readouterr().err
     with pytest.raises(DsparkError, match="`dspark compile`"):
         _load(compiled_dir, "compiled")
     with pytest.raises(DsparkError, match="`dspark compile --dtype int8`"):

@@ -40,7 +40,6 @@ def target_args(p: argparse.ArgumentParser, dtype: bool = True, threads: bool = 
             "stored by int4 kernels (CPU): fast plain decoding, but multi-token verification costs more. "
             "int8: the compiled runner with int8 weight-only projections (build it with `dspark compile "
             "--dtype int8`)"))
-    if dtype:
         p.add_argument("--runner", default="auto", choices=("auto", "compiled", "eager"), help=(
             "auto (default): the compiled bf16 runner where `dspark compile` has built one for this model, "
             "CPU and thread count (faster, and speculative output token-identical to plain at T = 0), else "

@@ -122,6 +122,16 @@ def _report(args, target: Target, result, streamer, drafter_spec: str | None) ->
             f"[dspark] {s.new_tokens} tokens, {s.rounds} rounds, tau {s.tau:.2f}, "
             f"decode {s.decode_tok_s:.1f} tok/s (draft {s.draft_s:.2f} s + verify {s.verify_s:.2f} s), "
             f"prefill {s.prefill_s:.2f} s, "
-            f"drafter {drafter_spec}, {target.model.precision}, finish {result.finish_reason}",
+            f"drafter {drafter_spec}, {target.model.precision} {_runner_name(target, args.runner)}, finish {result.finish_reason}",
             file=sys.stderr,
         )
+
+
+def _runner_name(target, asked: str) -> str:
+    """"compiled", or "eager" with a hint where --runner auto found no compiled runner to use."""
+    model = target.model
+    if model.compiled is not None:
+        return "compiled"
+    if asked == "auto" and model.precision == "bfloat16" and model.device.type == "cpu":
+        return "eager (run `dspark compile` once for the compiled runner)"
+    return "eager"

@@ -33,7 +33,7 @@ def default_dtype() -> torch.dtype:
 
 
 def parse_dtype(name: str, quantised: bool = True) -> torch.dtype | str:
-    """A --dtype value: a torch dtype, or "q4" where the target is run (`quantised`)."""
+    """A --dtype value: a torch dtype, or "q4" / "int8" where the target is run (`quantised`)."""
     if name == "auto":
         return default_dtype()
     if quantised and name in (QUANTISED, INT8):
@@ -47,7 +47,7 @@ def parse_dtype(name: str, quantised: bool = True) -> torch.dtype | str:
 
 def dtype_key(model: TargetModel) -> str:
     """The precision a results journal records ("torch.float32" / "torch.bfloat16", as journals before
-    the q4 mode wrote it, or "q4"), so that a rerun resumes only what ran in the same mode."""
+    the q4 mode wrote it, or "q4" / "int8"), so that a rerun resumes only what ran in the same mode."""
     return model.precision if model.precision in (QUANTISED, INT8) else str(model.dtype)
 
 
