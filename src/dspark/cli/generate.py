@@ -129,9 +129,11 @@ def _report(args, target: Target, result, streamer, drafter_spec: str | None) ->
 
 def _runner_name(target, asked: str) -> str:
     """"compiled", or "eager" with a hint where --runner auto found no compiled runner to use."""
+    from dspark.model.compiled import runs_compiled
+
     model = target.model
     if model.compiled is not None:
         return "compiled"
-    if asked == "auto" and model.precision == "bfloat16" and model.device.type == "cpu":
+    if asked == "auto" and runs_compiled(model):
         return "eager (run `dspark compile` once for the compiled runner)"
     return "eager"

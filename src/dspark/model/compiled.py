@@ -159,26 +159,34 @@ def artifact_key(model_dir: Path, weights: str = "bf16") -> dict:
     }
 
 
-def artifact_dir(model_dir: Path, weights: str = "bf16") -> Path:
-    key = artifact_key(model_dir, weights)
+def artifact_dir(model_dir: Path, weights: str = "bf16", key: dict | None = None) -> Path:
+    """Where the runner for `artifact_key(model_dir, weights)` (or the `key` already computed) lives."""
+    key = key or artifact_key(model_dir, weights)
     return cache_root() / "compiled" / f"{model_dir.name}-{weights}-{json_digest(key)}"
+
+
+def runs_compiled(model) -> bool:
+    """Whether a compiled runner can serve `model`: bf16 on a CPU (what `load_target` attaches it to)."""
+    return model.precision == "bfloat16" and model.device.type == "cpu"
 
 
 def compile_runner(model, model_dir: Path, weights: str = "bf16", say=print, rows: int = ROWS) -> Path:
     """Export and compile `model` (bf16, prepared unpacked) for this machine, its projections stored as
-    `weights` (WEIGHTS), every call `rows` tokens; returns the artifact directory. Takes minutes (Inductor times its candidate kernels for every
-    product); `say` reports each stage."""
+    `weights` (WEIGHTS), every call `rows` tokens; returns the artifact directory. Takes minutes
+    (Inductor times its candidate kernels for every product); `say` reports each stage."""
     import torch._inductor as inductor
 
-    out = artifact_dir(model_dir, weights)
+    key = artifact_key(model_dir, weights)
+    out = artifact_dir(model_dir, weights, key)
     out.mkdir(parents=True, exist_ok=True)
     c = model.cfg
     step, head = StepGraph(model, weights).eval(), HeadGraph(model, weights).eval()
     window = torch.export.Dim("window", min=rows + 1, max=model.max_positions)
-    kv = [torch.zeros(2 * c.num_key_value_heads, 64, c.head_dim, dtype=torch.bfloat16)
+    example_width = 2 * rows + 1  # any window > rows: the export's example, dynamic in the package
+    kv = [torch.zeros(2 * c.num_key_value_heads, example_width, c.head_dim, dtype=torch.bfloat16)
           for _ in range(c.num_hidden_layers)]
-    ids, pos = torch.zeros(rows, dtype=torch.long), torch.arange(40, 40 + rows)
-    mask = torch.arange(64)[None] <= pos[:, None]
+    ids, pos = torch.zeros(rows, dtype=torch.long), torch.arange(example_width - rows, example_width)
+    mask = torch.arange(example_width)[None] <= pos[:, None]
     started = time.perf_counter()
     with torch.no_grad():
         say("exporting the decode step and the LM head (torch.export)")
@@ -193,7 +201,7 @@ def compile_runner(model, model_dir: Path, weights: str = "bf16", say=print, row
             partial = out / f"{name}.partial.pt2"
             inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=INDUCTOR_OPTIONS)
             os.replace(partial, out / f"{name}.pt2")
-    meta = {"key": artifact_key(model_dir, weights), "rows": rows, "compile_s": round(time.perf_counter() - started, 1),
+    meta = {"key": key, "rows": rows, "compile_s": round(time.perf_counter() - started, 1),
             "bytes": sum(p.stat().st_size for p in out.glob("*.pt2"))}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     return out
@@ -223,7 +231,7 @@ class CompiledRunner:
         [1, q, m, H] or None). The q tokens are padded to `rows` with copies of the last (see the module
         docstring)."""
         q = input_ids.shape[1]
-        ids = torch.cat([input_ids[0], input_ids[0, -1:].expand(self.rows - q)])
+        ids = _padded(input_ids[0], self.rows)
         pos = torch.arange(start, start + self.rows).clamp_(max=start + q - 1)
         mask = torch.arange(kv[0].shape[2])[None] <= pos[:, None]
         hidden, states = self.step(ids, pos, mask, *[t[0] for t in kv])
@@ -240,8 +248,13 @@ class CompiledRunner:
         n = rows.shape[0]
         if not 1 <= n <= self.rows:
             return None
-        logits = self.head(torch.cat([rows, rows[-1:].expand(self.rows - n, -1)]).contiguous())
+        logits = self.head(_padded(rows, self.rows))
         return logits[:n].view(*hidden.shape[:-1], -1)
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [n, ...] with its last row repeated to `rows` rows (n <= rows), contiguous."""
+    return torch.cat([x, x[-1:].expand(rows - x.shape[0], *x.shape[1:])])
 
 
 def load_runner(model_dir: Path, cfg, weights: str = "bf16") -> CompiledRunner | None:

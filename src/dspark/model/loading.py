@@ -171,9 +171,9 @@ def load_target(
 
 def _compiled_runner(model: TargetModel, model_dir: Path, weights: str, required: bool):
     """The compiled runner with `weights` for this bf16 CPU model, or None (an error if `required`)."""
-    from dspark.model.compiled import load_runner
+    from dspark.model.compiled import load_runner, runs_compiled
 
-    if model.precision != "bfloat16" or model.device.type != "cpu":
+    if not runs_compiled(model):
         if required:
             raise DsparkError(f"the compiled runner runs bfloat16 on a CPU; this target is {model.precision} "
                               f"on {model.device.type} (use --dtype bfloat16 or --runner eager)")
