@@ -79,7 +79,7 @@ class Decoder:
         decode = self.target.decode if self.target.tokenizer is not None else None
         checker = StopChecker(self.target.eos_token_ids, max_new_tokens, stop, decode)
         emit = on_tokens or (lambda ids: None)
-        cache = model.new_cache(1, max_len)
+        cache = model.new_cache(1, max_len + self.policy.tree_nodes)  # a tree's drafts sit past the committed tokens
         self.policy.reset()
 
         t0 = time.perf_counter()

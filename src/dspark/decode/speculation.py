@@ -1,7 +1,7 @@
 """What a `--drafter` / `--policy` value names -> (drafter, verification policy, engine), for every command.
 
 One grammar: `DRAFTER[@POLICY]`, DRAFTER = auto | none | prompt-lookup | PATH to a checkpoint directory,
-POLICY = ar | full | fixed:K | threshold:C | dspark | dspark-async (`schedule/policies.py`); `--policy
+POLICY = ar | full | fixed:K | threshold:C | tree:N | dspark | dspark-async (`schedule/policies.py`); `--policy
 POLICY` says the same apart. `auto` is the drafter dspark ships for the target (else prompt lookup).
 A path alone verifies every draft (`full`) in `generate` / `eval`, and `serve` defaults to `dspark`.
 """
@@ -32,7 +32,7 @@ EngineFactory = Callable[[Policy, int], Engine]  # (policy, max_batch) -> Engine
 def check_policy(rule: str, where: str = "") -> tuple[str, str]:
     """A policy spelling's (name, argument); a clear error names the spellings there are."""
     name, _, arg = rule.partition(":")
-    if name not in POLICY_NAMES or (arg and name not in ("fixed", "threshold")):
+    if name not in POLICY_NAMES or (arg and name not in ("fixed", "threshold", "tree")):
         raise DsparkError(f"unknown verification rule {rule!r}{where}; a policy is one of {POLICIES}")
     try:
         parse_policy(rule, SPSTable((1.0,)))

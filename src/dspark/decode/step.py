@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from dspark.decode.verify import verify_chains
+from dspark.decode.verify import verify_chains, verify_tree_greedy, verify_tree_sampled
 from dspark.draft.base import BatchDrafter, DraftBlock
 from dspark.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
 from dspark.schedule.policies import Policy
@@ -34,6 +34,12 @@ class Round:
     verified: int  # draft tokens verified (ℓ)
     accepted: int  # of which accepted
     confidence_logits: list[float] | None = None  # raw confidence logits of the verified drafts
+    nodes: int | None = None  # a tree round: its drafts (then `verified` is its depth, the longest path)
+
+    @property
+    def computed(self) -> int:
+        """Draft tokens the verify forward computed."""
+        return self.verified if self.nodes is None else self.nodes
 
 
 @dataclasses.dataclass
@@ -89,6 +95,8 @@ class DecodeStep:
     @torch.inference_mode()
     def __call__(self, cache, rows: list[Row]) -> list[RowResult]:
         drafted = self.drafter is not None and self.policy.should_draft(len(rows))  # from past steps only
+        if drafted and self.policy.tree_nodes and self.drafter.grows_trees and len(rows) == 1 and rows[0].budget > 0:
+            return [self._tree_step(cache, rows[0])]
         blocks, draft_s = self._draft(rows) if drafted else ([None] * len(rows), 0.0)
         drafts = [b.tokens[: r.budget] if b else [] for b, r in zip(blocks, rows)]
         lengths = self._schedule(blocks, drafts)
@@ -110,6 +118,41 @@ class DecodeStep:
         self.draft_s += draft_s
         self.verify_s += time.perf_counter() - t0
         return results
+
+    def _tree_step(self, cache, row: Row) -> RowResult:
+        """One request verifies a token tree in one target forward (DESIGN.md §7b); the accepted path's
+        K/V move into place behind the committed context, the rest of the tree is dropped."""
+        t0 = time.perf_counter()
+        self.drafter.catch_up([row.index])
+        t1 = time.perf_counter()
+        view = cache.row(row.index)
+        committed = int(view.lengths[0])
+        budget = min(self.policy.tree_nodes, view.max_len - committed - 1)
+        tree = self.drafter.propose_tree(row.index, row.anchor, row.budget, budget, row.params, row.generator)
+        t2 = time.perf_counter()
+        ids = torch.tensor([[row.anchor] + tree.tokens])
+        out = self.model(ids, view, taps=self.taps, tree=tree.attention())
+        logits = self.model.logits(out.hidden[0])
+        children = tree.children()
+        if row.params.greedy:
+            path, nxt = verify_tree_greedy(children, tree.tokens, argmax_rows(logits))
+        else:
+            path, nxt = verify_tree_sampled(children, tree.tokens, tree.child_probs,
+                                            probs_from_logits(logits, row.params), row.generator)
+        slots = [1 + n for n in path]  # forward rows (and cache slots past `committed`) of the accepted nodes
+        if slots != list(range(1, len(path) + 1)):
+            src = committed + torch.tensor(slots)
+            for kv in view.kv:
+                kv[:, :, committed + 1 : committed + 1 + len(path)] = kv[:, :, src]
+        cache.lengths[row.index] = committed + 1 + len(path)
+        tokens = [tree.tokens[n] for n in path]
+        self.drafter.observe(row.index, [row.anchor] + tokens, out.taps[0, [0] + slots] if self.taps else None)
+        depth = max(tree.depths(), default=0)
+        self.policy.record_step(1, True, 1 + len(tree), 1 + len(path), t2 - t1)
+        self.steps += 1
+        self.draft_s += t2 - t0
+        self.verify_s += time.perf_counter() - t2
+        return RowResult(Round(depth, len(path), nodes=len(tree)), tokens + [nxt])
 
     def _draft(self, rows: list[Row]) -> tuple[list[DraftBlock | None], float]:
         """The rows' draft blocks and the seconds of the proposal alone: the policy weighs a step's

@@ -1,4 +1,5 @@
-"""Lossless chain verification (speculative rejection sampling), batched over independent chains.
+"""Lossless verification (speculative rejection sampling): chains, batched over independent rows, and
+token trees (one request at a time, `verify_tree_greedy` / `verify_tree_sampled` below).
 
 Row r verified `lengths[r]` draft tokens d_0..d_{l-1}. Draft k is accepted with probability
 min(1, p_t(d_k) / p_d(d_k)); at the first rejection the replacement is drawn from
@@ -59,3 +60,50 @@ def verify_chains(
         final[r] = residual
     next_token = sample(final, uniforms[rows, lengths])
     return num_accepted, next_token
+
+
+def verify_tree_greedy(children: dict[int, list[int]], tokens: list[int], best: list[int]) -> tuple[list[int], int]:
+    """Temperature 0: the longest path that follows the target's argmax. `best[1 + i]` is the target's
+    argmax after node i (`best[0]`: after the anchor). Returns (accepted nodes, next token)."""
+    node, path = -1, []
+    while True:
+        want = best[node + 1]
+        node = next((c for c in children.get(node, ()) if tokens[c] == want), None)
+        if node is None:
+            return path, want
+        path.append(node)
+
+
+def verify_tree_sampled(children: dict[int, list[int]], tokens: list[int], child_probs: dict[int, torch.Tensor],
+                        target_probs: torch.Tensor, generator: torch.Generator) -> tuple[list[int], int]:
+    """Recursive rejection sampling down a token tree (DESIGN.md §7b): at each node the children are
+    tried in draw order, child k accepted with probability min(1, p_k(x) / q_k(x)), where q_k is the
+    draft distribution the child was drawn from with the earlier siblings removed (one-hot for a
+    deterministic child) and p_k the target's distribution with each rejected q_j subtracted
+    (p_{k+1} = norm(max(p_k - q_k, 0))); past the last child the next token is drawn from p.
+    `target_probs[1 + i]` is the target's distribution after node i. Returns (accepted nodes, next token)."""
+    node, path = -1, []
+    while True:
+        p = target_probs[node + 1]
+        rest = child_probs.get(node)
+        rest = None if rest is None else rest.clone()
+        accepted = None
+        for child in children.get(node, ()):
+            x = tokens[child]
+            if rest is None:
+                q = torch.zeros_like(p)
+                q[x] = 1.0
+            else:
+                q = rest / rest.sum()
+                rest[x] = 0.0
+            if float(torch.rand(1, generator=generator)) * float(q[x]) < float(p[x]):
+                accepted = child
+                break
+            residual = (p - q).clamp_(min=0.0)
+            total = float(residual.sum())
+            if total > 0:  # else p == q up to round-off: the rejection had probability 0
+                p = residual / total
+        if accepted is None:
+            return path, int(sample(p, torch.rand(1, generator=generator))[0])
+        path.append(accepted)
+        node = accepted

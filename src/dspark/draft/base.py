@@ -14,7 +14,10 @@ import dataclasses
 
 import torch
 
+from dspark.draft.tree import DraftTree, chain_tree
 from dspark.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
+
+TREE_MAX_CHILDREN = 8  # children a tree node may have (DSpark trees; the budget decides how many it gets)
 
 
 @dataclasses.dataclass
@@ -57,6 +60,15 @@ class Drafter(abc.ABC):
     ) -> DraftBlock:
         """Draft up to `max_tokens` tokens following `anchor` (the last sampled, uncommitted token)."""
 
+    def propose_tree(self, anchor: int, max_depth: int, budget: int, max_children: int,
+                     params: SamplingParams, generator: torch.Generator) -> DraftTree:
+        """A token tree of up to `budget` drafts, at most `max_depth` deep (`draft/tree.py`); a drafter
+        without a tree of its own proposes its chain."""
+        if min(max_depth, budget) < 1:
+            return DraftTree([], [])
+        block = self.propose(anchor, min(max_depth, budget), params, generator)
+        return chain_tree(block.tokens, block.probs)
+
 
 def token_picker(params: SamplingParams, generator: torch.Generator):
     """`pick(logits [k, V]) -> k tokens`: argmax when greedy, else sampled from the processed
@@ -80,6 +92,7 @@ class BatchDrafter(abc.ABC):
     tap_layers: tuple[int, ...] = ()
     max_drafts: int = 8
     temperatures: list[float] | None = None
+    grows_trees = False  # whether `propose_tree` works (a single request's tree rounds)
 
     @abc.abstractmethod
     def start(self, row: int, prompt_ids: list[int], taps: torch.Tensor | None) -> None:
@@ -102,6 +115,8 @@ class BatchDrafter(abc.ABC):
 class PerRequestDrafters(BatchDrafter):
     """One `Drafter` per row, made by `make_drafter` when a request takes the row."""
 
+    grows_trees = True
+
     def __init__(self, make_drafter):
         self.make_drafter = make_drafter
         self._spare = make_drafter()  # the first row's drafter; it also tells the taps and limits
@@ -119,6 +134,10 @@ class PerRequestDrafters(BatchDrafter):
     def propose(self, rows, anchors, budgets, params, generators):
         return [self.drafters[r].propose(a, n, p, g) if n > 0 else None
                 for r, a, n, p, g in zip(rows, anchors, budgets, params, generators)]
+
+    def propose_tree(self, row: int, anchor: int, max_depth: int, budget: int, params: SamplingParams,
+                     generator: torch.Generator) -> DraftTree:
+        return self.drafters[row].propose_tree(anchor, max_depth, budget, TREE_MAX_CHILDREN, params, generator)
 
     def observe(self, row, tokens, taps):
         self.drafters[row].observe(tokens, taps)

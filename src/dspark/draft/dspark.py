@@ -22,6 +22,7 @@ from dspark.draft.base import DraftBlock, token_picker
 from dspark.draft.config import DraftConfig
 from dspark.draft.heads import ConfidenceHead, SequentialHead
 from dspark.draft.layers import DraftLayer, DraftModelBase, ModelDrafter, RMSNorm
+from dspark.draft.tree import DraftTree, grow_tree
 from dspark.model.target import Target
 from dspark.sampling import SamplingParams
 
@@ -200,10 +201,7 @@ class DSparkDrafter(ModelDrafter):
         if head is None:
             conf = conf_head(h, None) if conf_head is not None else None
             return self.vocab_head.tokens(pick(base_logits)), base_logits, conf
-        if self._w2t is None:
-            self._w2t = markov_w2t(head)
-            # the vanilla head's u is W1[prev] itself: an fp32 table spares a conversion per slot
-            self._w1 = head.markov_w1.weight.detach().float() if head.kind == "vanilla" else head.markov_w1.weight
+        self._inference_tables()
         logits = torch.empty_like(base_logits)  # filled slot by slot, in place
         rows, base_rows = logits.split(1), base_logits.split(1)
         tokens, embeds = [], []
@@ -217,6 +215,36 @@ class DSparkDrafter(ModelDrafter):
             embeds.append(e)
         conf = conf_head(h, torch.cat(embeds)) if conf_head is not None else None
         return tokens, logits, conf
+
+    def _inference_tables(self) -> None:
+        if self._w2t is None:
+            head = self.model.markov_head
+            self._w2t = markov_w2t(head)
+            # the vanilla head's u is W1[prev] itself: an fp32 table spares a conversion per slot
+            self._w1 = head.markov_w1.weight.detach().float() if head.kind == "vanilla" else head.markov_w1.weight
+
+    def propose_tree(self, anchor: int, max_depth: int, budget: int, max_children: int, params: SamplingParams,
+                     generator: torch.Generator) -> DraftTree:
+        """Up to `budget` nodes at most `max_depth` deep, from one backbone pass: block slot d gives the
+        children of every node at depth d, the Markov head conditioning each on its parent's token."""
+        h, base = self.block_outputs(anchor, min(self.num_draft_tokens, max_depth))
+        head = self.model.markov_head
+        if head is not None:
+            self._inference_tables()
+
+        def expand(node: int, depth: int, token: int, state):
+            if head is None:
+                return base[depth], None
+            u, state = head.step(h[depth : depth + 1], self._w1[token : token + 1], state
+                                 if state is not None else head.initial_state(h[:1]))
+            return markov_logits(base[depth : depth + 1], u, self._w2t)[0], state
+
+        tree, probs = grow_tree(expand, anchor, budget, h.shape[0], max_children, params, generator,
+                                lambda i: self.vocab_head.tokens([i])[0])
+        if not params.greedy and probs:
+            full = self.vocab_head.full_probs(torch.stack(list(probs.values())))
+            tree.child_probs = dict(zip(probs, full))
+        return tree
 
     def propose(self, anchor: int, max_tokens: int, params: SamplingParams, generator: torch.Generator) -> DraftBlock:
         h, base = self.block_outputs(anchor, min(self.num_draft_tokens, max_tokens))

@@ -304,6 +304,7 @@ class TargetModel(nn.Module):
         cache: KVCache,
         num_new: torch.Tensor | None = None,
         taps: tuple[int, ...] = (),
+        tree: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> ForwardOutput:
         """Append `input_ids` [B, q] to each row of `cache` and return final hidden states.
 
@@ -311,6 +312,9 @@ class TargetModel(nn.Module):
         right-padded and `num_new[b]` says how many of the q tokens are real; the cache then grows
         by `num_new[b]` for row b. Only real tokens are computed (packed, see `TokenLayout`): padding
         costs nothing in the projections and writes no K/V; its outputs are zeros.
+        `tree` (one row): (depth offsets [q], visibility [q, q] bool) of a token tree — token i sits at
+        position `lengths + depth[i]`, its K/V in slot `lengths + i`, and sees the context and the
+        new tokens `visibility[i]` marks (DSpark's tree verification, `draft/tree.py`).
         """
         if self._kernels is None:
             self.prepare(pack=False)
@@ -321,16 +325,18 @@ class TargetModel(nn.Module):
         if kv_len > cache.max_len:
             raise DsparkError(f"sequence of {kv_len} tokens exceeds the context window of {cache.max_len}")
         whole_row = B == 1 and (num_new is None or int(num_new[0]) == q)
-        if self.compiled is not None and whole_row and self.compiled.covers(q, cache.max_len):
+        if tree is not None and not whole_row:
+            raise DsparkError("a token tree is verified in one row of one request")
+        if self.compiled is not None and whole_row and tree is None and self.compiled.covers(q, cache.max_len):
             hidden, taps_out = self.compiled.forward(input_ids, cache.kv, int(start[0]), taps)
             cache.lengths = end
             return ForwardOutput(hidden=hidden, taps=taps_out)
-        tokens = TokenLayout(start, num_new, q)
+        tokens = TokenLayout(start, num_new, q, None if tree is None else tree[0])
         if self.fast:
             cis = self.rope_cis[tokens.pos][:, None]  # [N, 1, d/2]
         else:
             cos, sin = self.rope_cos[tokens.pos][:, None], self.rope_sin[tokens.pos][:, None]  # [N, 1, d]
-        mask = None if q == 1 and B == 1 else tokens.mask(kv_len)
+        mask = None if q == 1 and B == 1 else tokens.mask(kv_len, None if tree is None else tree[1])
 
         c = self.cfg
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -366,11 +372,12 @@ class TokenLayout:
     positions `start[b]...`; the projections run on the N real ones packed ([N, ...], row-major),
     attention on the padded [B, q] grid. Without padding packing is a view."""
 
-    def __init__(self, start: torch.Tensor, num_new: torch.Tensor | None, q: int):
-        """`num_new` None: every row brings all q tokens."""
+    def __init__(self, start: torch.Tensor, num_new: torch.Tensor | None, q: int, depth: torch.Tensor | None = None):
+        """`num_new` None: every row brings all q tokens. `depth` [q]: a tree's position offsets
+        (default 0..q-1); K/V slots stay `start + 0..q-1`."""
         self.B, self.q = start.shape[0], q
         steps = torch.arange(q, device=start.device)
-        self.grid_pos = start[:, None] + steps[None, :]  # [B, q]
+        self.grid_pos = start[:, None] + (steps if depth is None else depth.to(start.device))[None, :]  # [B, q]
         self.index = None if num_new is None or bool((num_new == q).all()) else (
             (steps[None, :] < num_new[:, None]).flatten().nonzero().squeeze(1))  # [N] in B * q
         self.pos = self.grid_pos.flatten() if self.index is None else self.grid_pos.flatten()[self.index]
@@ -392,8 +399,12 @@ class TokenLayout:
             packed = flat
         return packed.view(self.B, self.q, *packed.shape[1:])
 
-    def mask(self, kv_len: int) -> torch.Tensor:
-        """[B, 1, q, kv_len] bool: each grid token sees its row's positions up to its own."""
+    def mask(self, kv_len: int, visible: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, 1, q, kv_len] bool: each grid token sees its row's positions up to its own; with a
+        tree's `visible` [q, q] (one row), the context and the new tokens it marks."""
+        if visible is not None:
+            start = kv_len - self.q
+            return torch.cat([visible.new_ones(self.q, start), visible.to(self.pos.device)], dim=1)[None, None]
         return (torch.arange(kv_len, device=self.pos.device)[None, None, :] <= self.grid_pos[:, :, None])[:, None]
 
     def write(self, kvc: torch.Tensor, kv_new: torch.Tensor) -> None:

@@ -14,6 +14,8 @@ from typing import Callable, Sequence
 
 from dspark.errors import DsparkError
 
+MAX_TREE_NODES = 256
+
 
 @dataclasses.dataclass(frozen=True)
 class SPSTable:
@@ -166,6 +168,7 @@ class Policy:
     needs_survivals = True
     drafts = True  # False: the engine never drafts (plain AR)
     gate: DraftGate | None = None  # decides per step whether drafting pays at all
+    tree_nodes = 0  # > 0: a single request verifies a token tree of up to this many drafts
 
     def should_draft(self, requests: int) -> bool:
         return self.drafts and (self.gate is None or self.gate.should_draft(requests))
@@ -213,6 +216,21 @@ class FixedPolicy(Policy):
 
     def lengths(self, survivals, drafted):
         return [min(self.k, d) for d in drafted]
+
+
+class TreePolicy(Policy):
+    """Verify a token tree of up to `nodes` drafts grown best-first (`tree:N`, DESIGN.md §7b) for a single
+    request; rows of a batch verify their whole chains (`full`) instead."""
+
+    needs_survivals = False
+
+    def __init__(self, nodes: int):
+        if not 1 <= nodes <= MAX_TREE_NODES:
+            raise DsparkError(f"tree:N needs N in 1..{MAX_TREE_NODES}, got {nodes}")
+        self.tree_nodes, self.name = nodes, f"tree:{nodes}"
+
+    def lengths(self, survivals, drafted):
+        return list(drafted)
 
 
 class ThresholdPolicy(Policy):
@@ -275,12 +293,12 @@ class DSparkAsyncPolicy(DSparkPolicy):
         return out
 
 
-POLICY_NAMES = ("ar", "full", "fixed", "threshold", "dspark", "dspark-async")
-POLICIES = "ar | full | fixed:K | threshold:C | dspark | dspark-async"  # the spellings parse_policy reads
+POLICY_NAMES = ("ar", "full", "fixed", "threshold", "tree", "dspark", "dspark-async")
+POLICIES = "ar | full | fixed:K | threshold:C | tree:N | dspark | dspark-async"  # the spellings parse_policy reads
 
 
 def parse_policy(spec: str, sps: SPSTable | None = None) -> Policy:
-    """ar | full | fixed:K | threshold:C | dspark | dspark-async."""
+    """ar | full | fixed:K | threshold:C | tree:N | dspark | dspark-async."""
     name, _, arg = spec.partition(":")
     try:
         if name == "ar" and not arg:
@@ -291,10 +309,12 @@ def parse_policy(spec: str, sps: SPSTable | None = None) -> Policy:
             return FixedPolicy(int(arg))
         if name == "threshold":
             return ThresholdPolicy(float(arg))
+        if name == "tree":
+            return TreePolicy(int(arg))
     except ValueError:
-        raise DsparkError(f"bad policy {spec!r}: fixed:K needs an integer, threshold:C needs a number") from None
+        raise DsparkError(f"bad policy {spec!r}: fixed:K and tree:N need an integer, threshold:C a number") from None
     if name in ("dspark", "dspark-async") and not arg:
         if sps is None:
             raise DsparkError(f"policy {spec} needs an SPS table (run `dspark profile`)")
         return DSparkPolicy(sps) if name == "dspark" else DSparkAsyncPolicy(sps)
-    raise DsparkError(f"unknown policy {spec!r}; choose ar, full, fixed:K, threshold:C, dspark or dspark-async")
+    raise DsparkError(f"unknown policy {spec!r}; choose ar, full, fixed:K, threshold:C, tree:N, dspark or dspark-async")

@@ -1,0 +1,133 @@
+"""Token trees: many candidate continuations of one anchor, grown best-first under a node budget
+(DESIGN.md §7b) and verified by one target pass.
+
+A node is a draft token; node 0's parent is the anchor (-1). Nodes are numbered in creation order, so
+a parent always precedes its children, and the children of a node are numbered in the order they
+were drawn — what recursive rejection sampling (`decode/verify.py`) walks through.
+
+Growth runs over *slots*: slot s of node n is n's s-th child. Its priority is n's path score times
+the s-th largest probability of n's child distribution — known before the child is drawn, so whether a
+slot exists never depends on the token that fills it (the condition that keeps tree verification
+lossless when the children are sampled). Greedy requests fill slot s with the s-th most likely token;
+sampled ones with the s-th draw without replacement (Gumbel top-k) from the exact distribution the
+request samples from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Callable
+
+import torch
+
+from dspark.sampling import SamplingParams, probs_from_logits
+
+
+@dataclasses.dataclass
+class DraftTree:
+    tokens: list[int]  # node i's token (target ids)
+    parents: list[int]  # node i's parent; -1 is the anchor
+    # per node with children (-1: the anchor): the draft distribution [V] its children were drawn
+    # from without replacement, in order; absent when they were chosen deterministically (greedy)
+    child_probs: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def children(self) -> dict[int, list[int]]:
+        """node (or -1) -> its children in draw order."""
+        out: dict[int, list[int]] = {}
+        for i, p in enumerate(self.parents):
+            out.setdefault(p, []).append(i)
+        return out
+
+    def depths(self) -> list[int]:
+        """Depth of each node: 1 for the anchor's children."""
+        depth: list[int] = []
+        for p in self.parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return depth
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the anchor's child down to `node`."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def attention(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(depth offsets [1 + n], visibility [1 + n, 1 + n] bool) of the verify forward's tokens
+        [anchor, node 0, ..., node n-1]: each sees the anchor, its ancestors and itself."""
+        n = len(self)
+        visible = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        visible[:, 0] = True
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                visible[i + 1] = visible[p + 1]
+            visible[i + 1, i + 1] = True
+        return torch.tensor([0] + self.depths()), visible
+
+
+def chain_tree(tokens: list[int], probs: torch.Tensor | None = None) -> DraftTree:
+    """A chain of drafts as a tree (each node the only child of the one before)."""
+    tree = DraftTree(list(tokens), list(range(-1, len(tokens) - 1)))
+    if probs is not None:
+        tree.child_probs = {i - 1: probs[i] for i in range(len(tokens))}
+    return tree
+
+
+# (parent node or -1, its depth, its token, its state) -> (child logits [K] fp32, the children's state)
+Expand = Callable[[int, int, int, object], tuple[torch.Tensor, object]]
+
+
+@dataclasses.dataclass
+class _Node:
+    score: float  # product of draft probabilities along the path
+    order: list[int]  # candidate indices (draft vocabulary) in draw order
+    probs: torch.Tensor  # the distribution the candidates come from [K]
+    sorted_probs: list[float]  # its largest probabilities, descending (slot priorities)
+    state: object
+
+
+def grow_tree(expand: Expand, anchor: int, budget: int, max_depth: int, max_children: int,
+              params: SamplingParams, generator: torch.Generator | None,
+              to_token: Callable[[int], int]) -> tuple[DraftTree, dict[int, torch.Tensor]]:
+    """Best-first growth of up to `budget` nodes, `max_depth` deep, at most `max_children` per node.
+
+    `expand` gives a node's child logits over the draft vocabulary; `to_token` maps a draft index to a
+    target id. Returns the tree and, per node with children, the draft-vocabulary distribution they
+    were drawn from (keyed like `DraftTree.child_probs`; the caller maps it to the full vocabulary)."""
+    nodes: dict[int, _Node] = {}
+    tokens, parents, depth = [], [], {-1: 0}
+
+    def open_node(n: int, token: int, score: float, state) -> None:
+        logits, child_state = expand(n, depth[n], token, state)
+        score_probs = torch.softmax(logits, -1) if params.greedy else probs_from_logits(logits, params)
+        top = score_probs.topk(min(max_children, score_probs.numel()))
+        if params.greedy:
+            order = top.indices.tolist()
+        else:  # Gumbel top-k: the first k draws without replacement, in draw order
+            gumbel = -torch.log(-torch.log(torch.rand(score_probs.shape, generator=generator).clamp_(min=1e-20)))
+            order = (score_probs.log() + gumbel).topk(top.indices.numel()).indices.tolist()
+        nodes[n] = _Node(score, order, score_probs, top.values.tolist(), child_state)
+        heapq.heappush(heap, (-score * nodes[n].sorted_probs[0], n, 0))
+
+    heap: list[tuple[float, int, int]] = []
+    open_node(-1, anchor, 1.0, None)
+    while heap and len(tokens) < budget:
+        neg_priority, n, slot = heapq.heappop(heap)
+        if neg_priority >= 0:  # only impossible candidates remain
+            break
+        node = nodes[n]
+        index = node.order[slot]
+        child = len(tokens)
+        tokens.append(to_token(index))
+        parents.append(n)
+        depth[child] = depth[n] + 1
+        if slot + 1 < len(node.order):
+            heapq.heappush(heap, (-node.score * node.sorted_probs[slot + 1], n, slot + 1))
+        if depth[child] < max_depth:
+            open_node(child, tokens[child], node.score * float(node.probs[index]), node.state)
+    return DraftTree(tokens, parents), {n: nodes[n].probs for n in sorted(set(parents))}
