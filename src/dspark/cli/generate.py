@@ -108,7 +108,7 @@ def _report(args, target: Target, result, streamer, drafter_spec: str | None) ->
     """The reply's end (JSON, text or token ids) on stdout, the stats line on stderr."""
     s = result.stats
     if args.json:
-        stats = {k: getattr(s, k) for k in ("new_tokens", "rounds", "tau", "decode_tok_s", "prefill_s", "decode_s",
+        stats = {k: getattr(s, k) for k in ("new_tokens", "rounds", "tau", "drafts_per_round", "decode_tok_s", "prefill_s", "decode_s",
                                             "draft_s", "verify_s")}
         text = result.text if target.tokenizer is not None else None
         print(json.dumps({"text": text, "token_ids": result.token_ids, "finish_reason": result.finish_reason, "stats": stats}))
@@ -119,7 +119,8 @@ def _report(args, target: Target, result, streamer, drafter_spec: str | None) ->
         else:  # token ids in, token ids out
             print(",".join(map(str, result.token_ids)))
         print(
-            f"[dspark] {s.new_tokens} tokens, {s.rounds} rounds, tau {s.tau:.2f}, "
+            f"[dspark] {s.new_tokens} tokens, {s.rounds} rounds, tau {s.tau:.2f} "
+            f"({s.drafts_per_round:.1f} drafts verified per round), "
             f"decode {s.decode_tok_s:.1f} tok/s (draft {s.draft_s:.2f} s + verify {s.verify_s:.2f} s), "
             f"prefill {s.prefill_s:.2f} s, "
             f"drafter {drafter_spec}, {target.model.precision} {_runner_name(target, args.runner)}, finish {result.finish_reason}",

@@ -25,6 +25,7 @@ class GenerationStats:
     new_tokens: int
     rounds: int  # target forwards after prefill
     tau: float  # tokens committed per round, bonus/replacement included
+    drafts_per_round: float  # draft tokens the target verified per round (a tree's nodes)
     prefill_s: float
     decode_s: float
     decode_tok_s: float  # tokens produced by decode rounds / decode wall time
@@ -108,6 +109,7 @@ class Decoder:
             new_tokens=n_new,
             rounds=len(rounds),
             tau=(n_new - 1) / len(rounds) if rounds else 0.0,
+            drafts_per_round=sum(r.computed for r in rounds) / len(rounds) if rounds else 0.0,
             prefill_s=prefill_s,
             decode_s=decode_s,
             decode_tok_s=(n_new - 1) / decode_s if rounds else 0.0,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -84,11 +84,13 @@ Expand = Callable[[int, int, int, object], tuple[torch.Tensor, object]]
 
 @dataclasses.dataclass
 class _Node:
+    token: int
     score: float  # product of draft probabilities along the path
-    order: list[int]  # candidate indices (draft vocabulary) in draw order
-    probs: torch.Tensor  # the distribution the candidates come from [K]
-    sorted_probs: list[float]  # its largest probabilities, descending (slot priorities)
-    state: object
+    state: object  # what `expand` gave its parent for it
+    order: list[int] | None = None  # once expanded: candidate indices (draft vocabulary) in draw order
+    probs: torch.Tensor | None = None  # the distribution the candidates come from [K]
+    sorted_probs: list[float] | None = None  # its largest probabilities, descending (slot priorities)
+    child_state: object = None  # what `expand` gave for its children
 
 
 def grow_tree(expand: Expand, anchor: int, budget: int, max_depth: int, max_children: int,
@@ -97,30 +99,22 @@ def grow_tree(expand: Expand, anchor: int, budget: int, max_depth: int, max_chil
     """Best-first growth of up to `budget` nodes, `max_depth` deep, at most `max_children` per node.
 
     `expand` gives a node's child logits over the draft vocabulary; `to_token` maps a draft index to a
-    target id. Returns the tree and, per node with children, the draft-vocabulary distribution they
-    were drawn from (keyed like `DraftTree.child_probs`; the caller maps it to the full vocabulary)."""
-    nodes: dict[int, _Node] = {}
+    target id. A node is expanded only when its path score could still win a slot (its score bounds
+    its children's), so leaves cost nothing. Returns the tree and, per node with children, the
+    draft-vocabulary distribution they were drawn from (keyed like `DraftTree.child_probs`; the caller
+    maps it to the full vocabulary)."""
+    nodes = {-1: _Node(anchor, 1.0, None)}
     tokens, parents, depth = [], [], {-1: 0}
-
-    def open_node(n: int, token: int, score: float, state) -> None:
-        logits, child_state = expand(n, depth[n], token, state)
-        score_probs = torch.softmax(logits, -1) if params.greedy else probs_from_logits(logits, params)
-        top = score_probs.topk(min(max_children, score_probs.numel()))
-        if params.greedy:
-            order = top.indices.tolist()
-        else:  # Gumbel top-k: the first k draws without replacement, in draw order
-            gumbel = -torch.log(-torch.log(torch.rand(score_probs.shape, generator=generator).clamp_(min=1e-20)))
-            order = (score_probs.log() + gumbel).topk(top.indices.numel()).indices.tolist()
-        nodes[n] = _Node(score, order, score_probs, top.values.tolist(), child_state)
-        heapq.heappush(heap, (-score * nodes[n].sorted_probs[0], n, 0))
-
-    heap: list[tuple[float, int, int]] = []
-    open_node(-1, anchor, 1.0, None)
+    heap: list[tuple[float, int, int]] = [(-1.0, -1, -1)]  # (-priority, node, slot); slot -1: not expanded yet
     while heap and len(tokens) < budget:
         neg_priority, n, slot = heapq.heappop(heap)
         if neg_priority >= 0:  # only impossible candidates remain
             break
         node = nodes[n]
+        if slot < 0:
+            _expand(node, expand(n, depth[n], node.token, node.state), max_children, params, generator)
+            heapq.heappush(heap, (-node.score * node.sorted_probs[0], n, 0))
+            continue
         index = node.order[slot]
         child = len(tokens)
         tokens.append(to_token(index))
@@ -129,5 +123,21 @@ def grow_tree(expand: Expand, anchor: int, budget: int, max_depth: int, max_chil
         if slot + 1 < len(node.order):
             heapq.heappush(heap, (-node.score * node.sorted_probs[slot + 1], n, slot + 1))
         if depth[child] < max_depth:
-            open_node(child, tokens[child], node.score * float(node.probs[index]), node.state)
+            nodes[child] = _Node(tokens[child], node.score * float(node.probs[index]), node.child_state)
+            heapq.heappush(heap, (-nodes[child].score, child, -1))
     return DraftTree(tokens, parents), {n: nodes[n].probs for n in sorted(set(parents))}
+
+
+def _expand(node: _Node, expanded: tuple[torch.Tensor, object], max_children: int, params: SamplingParams,
+            generator: torch.Generator | None) -> None:
+    """A node's child distribution and candidate order: the most likely tokens when greedy, else the
+    first draws without replacement (Gumbel top-k) from the distribution the request samples from."""
+    logits, node.child_state = expanded
+    probs = torch.softmax(logits, -1) if params.greedy else probs_from_logits(logits, params)
+    top = probs.topk(min(max_children, probs.numel()))
+    if params.greedy:
+        node.order = top.indices.tolist()
+    else:
+        gumbel = -torch.log(-torch.log(torch.rand(probs.shape, generator=generator).clamp_(min=1e-20)))
+        node.order = (probs.log() + gumbel).topk(top.indices.numel()).indices.tolist()
+    node.probs, node.sorted_probs = probs, top.values.tolist()

@@ -51,7 +51,7 @@ def generation_record(result, keep_tokens: bool = False) -> dict:
     """What the report needs of one generation, as JSON (the journal's line); AR's keeps its tokens,
     against which draft vocabularies are measured."""
     record = {"decode_tokens": result.stats.new_tokens - 1, "decode_s": result.stats.decode_s,
-              "rounds": [[r.verified, r.accepted, r.confidence_logits] for r in result.rounds],
+              "rounds": [[r.verified, r.accepted, r.confidence_logits, r.nodes] for r in result.rounds],
               "cpu_flags": " ".join(cpu_flags())}  # a run resumed in another session may be on another CPU
     if keep_tokens:
         record["token_ids"] = result.token_ids
@@ -192,6 +192,7 @@ def _run_record(name, ds, temp, a: RunAccumulator, ar: RunAccumulator, drafter) 
         "tau": metrics.tau(a.rounds),
         "cond_accept": metrics.conditional_acceptance(a.rounds, positions),
         "verify_efficiency": metrics.verify_efficiency(a.rounds),
+        "drafts_per_round": metrics.drafts_per_round(a.rounds),
         "decode_tok_s": a.tok_s,
         "ar_decode_tok_s": ar.tok_s,
         "speedup": a.tok_s / ar.tok_s if ar.tok_s else 0.0,
@@ -232,7 +233,7 @@ def _macro(name, temp, rows: list[dict]) -> dict:
     coverage = [r["vocab_coverage"] for r in rows if r["vocab_coverage"] is not None]
     return {"drafter": name, "dataset": "macro", "temperature": temp, "prompts": sum(r["prompts"] for r in rows),
             "vocab_coverage": statistics.fmean(coverage) if coverage else None, "tau": mean("tau"), "cond_accept": cond, "verify_efficiency": mean("verify_efficiency"),
-            "decode_tok_s": mean("decode_tok_s"), "ar_decode_tok_s": mean("ar_decode_tok_s"),
+            "drafts_per_round": mean("drafts_per_round"), "decode_tok_s": mean("decode_tok_s"), "ar_decode_tok_s": mean("ar_decode_tok_s"),
             "speedup": mean("speedup"), "round_cost": mean("round_cost"), "calibration": calibration}
 
 

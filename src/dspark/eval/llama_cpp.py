@@ -99,6 +99,6 @@ class LlamaCppDecoder:
                 break
         end = time.perf_counter()
         decode_s = end - t_first
-        stats = GenerationStats(new_tokens=len(out), rounds=len(out) - 1, tau=1.0, prefill_s=t_first - t0,
+        stats = GenerationStats(new_tokens=len(out), rounds=len(out) - 1, tau=1.0, drafts_per_round=0.0, prefill_s=t_first - t0,
                                 decode_s=decode_s, decode_tok_s=(len(out) - 1) / decode_s if decode_s else 0.0)
         return GenerationResult(out, "", "stop" if out and out[-1] == eos else "length", stats, [])

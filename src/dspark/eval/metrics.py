@@ -21,9 +21,14 @@ def tau(rounds: Sequence[Round]) -> float:
 
 
 def verify_efficiency(rounds: Sequence[Round]) -> float:
-    """Committed tokens / tokens verified by the target."""
-    verified = sum(r.verified + 1 for r in rounds)
+    """Committed tokens / tokens verified by the target (a tree round verifies all its nodes)."""
+    verified = sum(r.computed + 1 for r in rounds)
     return sum(r.accepted + 1 for r in rounds) / verified if verified else 0.0
+
+
+def drafts_per_round(rounds: Sequence[Round]) -> float:
+    """Draft tokens the target verified per round (a tree's nodes, a chain's verified drafts)."""
+    return sum(r.computed for r in rounds) / len(rounds) if rounds else 0.0
 
 
 def conditional_acceptance(rounds: Sequence[Round], positions: int) -> list[float | None]:

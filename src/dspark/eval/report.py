@@ -21,16 +21,17 @@ def write_report(results: dict, out: Path) -> None:
              _machine_line(cfg.get("machine")), ""]
     for temp in cfg["temperatures"]:
         lines += [f"## T = {temp}", "",
-                  "| drafter | dataset | τ | verify eff. | decode tok/s | AR tok/s | speedup | round cost "
+                  "| drafter | dataset | τ | drafts / round | verify eff. | decode tok/s | AR tok/s | speedup | round cost "
                   "| ECE raw → STS | AUC raw → STS | Brier raw → STS | vocab coverage |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["runs"]:
             if r["temperature"] != temp:
                 continue
             cal = _calibration_cells(r["calibration"])
             name = f"**{r['dataset']}**" if r["dataset"] == "macro" else r["dataset"]
             coverage = "–" if r.get("vocab_coverage") is None else f"{r['vocab_coverage']:.1%}"
-            lines.append(f"| {r['drafter']} | {name} | {r['tau']:.2f} | {r['verify_efficiency']:.2f} | "
+            drafts = "–" if r.get("drafts_per_round") is None else f"{r['drafts_per_round']:.1f}"
+            lines.append(f"| {r['drafter']} | {name} | {r['tau']:.2f} | {drafts} | {r['verify_efficiency']:.2f} | "
                          f"{r['decode_tok_s']:.1f} | {r['ar_decode_tok_s']:.1f} | {r['speedup']:.2f}x | {r['round_cost']:.2f} | {cal} "
                          f"| {coverage} |")
         lines += ["", "Conditional acceptance by block position (macro average):", "",

@@ -1,0 +1,186 @@
+"""Token trees (DESIGN.md §7b): growth, exact verification at T = 0 and T > 0, and the K/V the
+accepted path leaves behind."""
+
+import pytest
+import torch
+from helpers import make_random_dspark, make_random_eagle3, make_tiny_hf_model, tokens_tv
+
+from dspark.decode.generate import Decoder
+from dspark.decode.step import DecodeStep
+from dspark.decode.verify import verify_tree_greedy, verify_tree_sampled
+from dspark.draft.base import DraftBlock, Drafter, PerRequestDrafters
+from dspark.draft.prompt_lookup import PromptLookupDrafter
+from dspark.draft.tree import DraftTree, grow_tree
+from dspark.model.loading import load_target
+from dspark.sampling import SamplingParams, probs_from_logits
+from dspark.schedule.policies import TreePolicy, parse_policy
+
+TRIALS = 200_000
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    model_dir = make_tiny_hf_model("llama", tmp_path_factory.mktemp("tree") / "m")
+    return load_target(model_dir, dtype=torch.float32, require_tokenizer=False)
+
+
+def toy_expand(first: torch.Tensor, second: torch.Tensor):
+    """A two-level toy drafter: logits `first` after the anchor, `second[x]` after token x."""
+    return lambda node, depth, token, state: ((first if depth == 0 else second[token]), None)
+
+
+# ---- growth ---------------------------------------------------------------------------------------
+def test_greedy_growth_is_best_first_by_path_probability():
+    first = torch.tensor([2.0, 1.5, 0.0, -3.0]).log_softmax(-1)
+    second = torch.tensor([[0.0, 3.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0] * 4])
+    tree, _ = grow_tree(toy_expand(first, second), 9, 4, 2, 3, SamplingParams(), None, lambda i: i)
+    # p(0) = .57, then p(0 -> 1) = .57 * .87 = .50, p(1) = .35, then p(1 -> 0) = .35 * .25 = .09 > p(2) = .08
+    assert tree.tokens[:3] == [0, 1, 1] and tree.parents == [-1, 0, -1, 2]
+    assert tree.depths() == [1, 2, 1, 2] and tree.path(3) == [2, 3]
+    depth, visible = tree.attention()
+    assert depth.tolist() == [0, 1, 2, 1, 2]
+    assert visible[4].tolist() == [True, False, False, True, True]  # node 3 sees the anchor, node 2, itself
+
+
+def test_growth_respects_budget_depth_and_fan_out():
+    torch.manual_seed(0)
+    first, second = torch.randn(16), torch.randn(16, 16)
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, top_k=5)):
+        tree, probs = grow_tree(toy_expand(first, second), 0, 12, 2, 3, params, torch.Generator().manual_seed(1),
+                                lambda i: i)
+        assert len(tree) == 12 and max(tree.depths()) == 2
+        kids = tree.children()
+        assert all(len(c) <= 3 for c in kids.values())
+        assert all(len({tree.tokens[c] for c in cs}) == len(cs) for cs in kids.values())  # siblings differ
+        assert set(probs) == set(kids)
+        if not params.greedy:  # sampled children come from the top-k support only
+            assert all(float(probs[n][tree.tokens[c]]) > 0 for n, cs in kids.items() for c in cs)
+
+
+# ---- verification ---------------------------------------------------------------------------------
+def test_greedy_walk_follows_the_argmax_through_any_branch():
+    tree = DraftTree([5, 6, 7, 8], [-1, -1, 1, 1])  # anchor -> {5, 6}, 6 -> {7, 8}
+    best = [6, 0, 8, 0, 3]  # after the anchor 6, after node 1 (token 6) 8, after node 3 (token 8) 3
+    assert verify_tree_greedy(tree.children(), tree.tokens, best) == ([1, 3], 3)
+    assert verify_tree_greedy(tree.children(), tree.tokens, [4, 0, 0, 0, 0]) == ([], 4)
+
+
+def test_sampled_tree_keeps_the_joint_distribution_of_two_tokens():
+    """Recursive rejection sampling down a two-level tree (siblings drawn without replacement at both
+    levels, children conditioned on their parent, top-k and top-p on both sides): the first two
+    committed tokens follow the target's joint distribution (the second drawn from the target where a
+    round commits one)."""
+    V, params = 5, SamplingParams(temperature=0.9, top_k=4, top_p=0.9)
+    g = torch.Generator().manual_seed(3)
+    torch.manual_seed(0)
+    d1, d2 = torch.randn(V), torch.randn(V, V)
+    t1, t2 = torch.randn(V), torch.randn(V, V)
+    p1, p2 = probs_from_logits(t1, params), probs_from_logits(t2, params)
+    exact = (p1[:, None] * p2).flatten()
+    expand = toy_expand(d1, d2)
+    out = torch.empty(TRIALS, dtype=torch.long)
+    for i in range(TRIALS):
+        tree, probs = grow_tree(expand, 0, 5, 2, 2, params, g, lambda j: j)
+        rows = torch.stack([p1] + [p2[x] for x in tree.tokens])
+        path, nxt = verify_tree_sampled(tree.children(), tree.tokens, probs, rows, g)
+        committed = [tree.tokens[n] for n in path] + [nxt]
+        if len(committed) == 1:
+            committed.append(int(torch.multinomial(p2[committed[0]], 1, generator=g)))
+        out[i] = committed[0] * V + committed[1]
+    assert tokens_tv(out, exact) < 0.005
+
+
+def test_deterministic_children_are_verified_losslessly():
+    """Children without a draft distribution (prompt lookup, greedy-grown trees) are one-hot stages."""
+    g = torch.Generator().manual_seed(11)
+    p_t = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    tree = DraftTree([1, 3], [-1, -1])
+    first = torch.empty(TRIALS, dtype=torch.long)
+    for i in range(TRIALS):
+        path, nxt = verify_tree_sampled(tree.children(), tree.tokens, {}, p_t.expand(3, -1), g)
+        first[i] = tree.tokens[path[0]] if path else nxt
+    assert tokens_tv(first, p_t) < 0.005
+
+
+# ---- decoding -------------------------------------------------------------------------------------
+DRAFTERS = {
+    "dspark-vanilla": lambda t: make_random_dspark(t, "vanilla", block_size=4, std=0.3),
+    "dspark-rnn": lambda t: make_random_dspark(t, "rnn", block_size=4, std=0.3),
+    "dflash": lambda t: make_random_dspark(t, "none", block_size=4, std=0.3, confidence=False),
+    "eagle3": lambda t: make_random_eagle3(t, block_size=4),
+    "prompt-lookup": lambda t: PromptLookupDrafter(4),
+}
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+@pytest.mark.parametrize("nodes", [3, 16])
+def test_greedy_tree_decoding_equals_plain_greedy(tiny, name, nodes):
+    plain = Decoder(tiny)
+    spec = Decoder(tiny, DRAFTERS[name](tiny), TreePolicy(nodes))
+    for seed in range(3):
+        prompt = torch.randint(3, tiny.cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+        want = plain.generate(prompt, 40).token_ids
+        got = spec.generate(prompt, 40)
+        assert got.token_ids == want
+        assert all(r.nodes is not None and r.nodes <= nodes for r in got.rounds[:-1])
+
+
+class BranchOracle(Drafter):
+    """Trees whose accepted path runs through the *last* child at every level, behind decoys: the
+    target's own greedy continuation, known in advance."""
+
+    def __init__(self, continuation: list[int], vocab: int):
+        self.continuation, self.vocab, self.done = continuation, vocab, 0
+
+    def begin(self, prompt_ids):
+        self.done = 0
+
+    def observe(self, tokens, taps):
+        self.done += len(tokens)
+
+    def propose(self, anchor, max_tokens, params, generator):
+        return DraftBlock([])
+
+    def propose_tree(self, anchor, max_depth, budget, max_children, params, generator):
+        tokens, parents, parent = [], [], -1
+        truth = self.continuation[self.done - self.prompt_len + 1:][: min(3, max_depth)]
+        for t in truth:
+            for x in ((t + 1) % self.vocab, (t + 2) % self.vocab, t):  # two decoys, then the truth
+                tokens.append(x)
+                parents.append(parent)
+            parent = len(tokens) - 1
+        return DraftTree(tokens, parents)
+
+
+def test_kv_compaction_leaves_exactly_the_accepted_path(tiny):
+    """After tree rounds whose accepted nodes sit behind rejected siblings, the cache holds exactly the
+    K/V a plain prefill of the committed tokens computes: a rejected branch's K/V left in place would
+    show here (and in every later token)."""
+    prompt = [5, 9, 17, 33, 4, 71]
+    want = Decoder(tiny).generate(prompt, 30).token_ids
+    oracle = BranchOracle(want, tiny.cfg.vocab_size)
+    oracle.prompt_len = len(prompt)
+    step = DecodeStep(tiny.model, PerRequestDrafters(lambda: oracle), TreePolicy(9))
+    cache = tiny.model.new_cache(1, 64)
+    row = step.start(cache, 0, prompt, SamplingParams(), torch.Generator())
+    committed = [row.anchor]
+    for _ in range(4):
+        row.budget = 8
+        result = step(cache, [row])[0]
+        assert result.round.accepted == 3 and result.round.nodes == 9
+        committed += result.tokens
+        row.anchor = result.tokens[-1]
+    assert committed == want[: len(committed)]
+    n = int(cache.lengths[0])
+    assert n == len(prompt) + len(committed) - 1
+    fresh = tiny.model.new_cache(1, 64)
+    tiny.model(torch.tensor([prompt + committed[:-1]]), fresh)
+    for got, ref in zip(cache.kv, fresh.kv):
+        torch.testing.assert_close(got[:, :, :n], ref[:, :, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_tree_policy_spelling():
+    assert parse_policy("tree:16").tree_nodes == 16
+    for bad in ("tree", "tree:0", "tree:x", "tree:100000"):
+        with pytest.raises(Exception, match="tree"):
+            parse_policy(bad)
