@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from dspark.draft.base import DraftBlock, Drafter
+from dspark.draft.tree import DraftTree
 from dspark.sampling import SamplingParams
 
 EVAL_DIR = Path(__file__).resolve().parents[1] / "src" / "dspark" / "eval" / "data"
@@ -80,6 +81,37 @@ class RandomDrafter(Drafter):
     def propose(self, anchor, max_tokens, params: SamplingParams, generator):
         n = min(self.k, max_tokens)
         return DraftBlock(tokens=torch.randint(self.vocab_size, (n,), generator=self.gen).tolist())
+
+
+class BranchOracle(Drafter):
+    """Trees whose accepted path runs through the *last* child at every level, behind (up to) two decoys
+    within the node budget: the target's own greedy `continuation` of a `prompt_len`-token prompt,
+    known in advance (3 levels)."""
+
+    def __init__(self, continuation: list[int], prompt_len: int, vocab: int):
+        self.continuation, self.prompt_len, self.vocab, self.done = continuation, prompt_len, vocab, 0
+
+    def begin(self, prompt_ids):
+        self.done = 0
+
+    def observe(self, tokens, taps):
+        self.done += len(tokens)
+
+    def propose(self, anchor, max_tokens, params, generator):
+        return DraftBlock([])
+
+    def propose_tree(self, anchor, max_depth, budget, max_children, params, generator):
+        tokens, parents, parent = [], [], -1
+        truth = self.continuation[self.done - self.prompt_len + 1:][: min(3, max_depth)]
+        for t in truth:
+            decoys = min(2, budget - len(tokens) - 1)
+            if decoys < 0:
+                break
+            for x in [(t + 1 + i) % self.vocab for i in range(decoys)] + [t]:  # decoys, then the truth
+                tokens.append(x)
+                parents.append(parent)
+            parent = len(tokens) - 1
+        return DraftTree(tokens, parents)
 
 
 def _random_drafter(cfg, target, seed: int, std: float, draft_vocab: list[int] | None = None):

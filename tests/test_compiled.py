@@ -5,15 +5,17 @@ plain decoding in both modes; and the artifacts' life cycle (`dspark compile`, -
 
 import pytest
 import torch
-from helpers import make_random_dspark, make_tiny_hf_model
+from helpers import BranchOracle, make_random_dspark, make_tiny_hf_model
 
 from dspark.cli import main
 from dspark.decode.generate import Decoder
 from dspark.draft.dspark import DSparkDrafter
+from dspark.draft.tree import DraftTree
 from dspark.errors import DsparkError
 from dspark.model.compiled import ROWS, artifact_dir
 from dspark.model.loading import load_target
 from dspark.sampling import SamplingParams
+from dspark.schedule.policies import TreePolicy
 
 
 @pytest.fixture(scope="module")
@@ -76,20 +78,42 @@ def test_a_tokens_logits_do_not_depend_on_how_many_tokens_share_its_forward(comp
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_a_tokens_logits_in_a_tree_equal_its_logits_in_a_chain(compiled_dir, dtype):
+    """A path verified deep in a tree, behind siblings, its ancestors' K/V in scattered slots: the
+    same logits, bit for bit, as the same tokens decoded one by one."""
+    model = _load(compiled_dir, dtype=dtype).model
+    ids = torch.randint(3, 128, (16,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.inference_mode():
+        cache = model.new_cache(1, 48)
+        model(torch.tensor([ids[:12]]), cache)
+        one_by_one = torch.cat([model.logits(model(torch.tensor([[t]]), cache).hidden[0]) for t in ids[12:16]])
+        cache.truncate(12)
+        # anchor ids[12]; path ids[13..15] at nodes 1, 3, 6, each behind a decoy sibling
+        tree = DraftTree([7, ids[13], 8, ids[14], 9, 10, ids[15], 11], [-1, -1, 0, 1, 1, 2, 3, 6])
+        assert model.compiled.covers(len(tree) + 1, 48)
+        out = model(torch.tensor([[ids[12]] + tree.tokens]), cache, tree=tree.attention())
+        in_tree = model.logits(out.hidden[0])[[0, 2, 4, 7]]
+    assert torch.equal(in_tree, one_by_one)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_greedy_speculative_equals_plain_greedy_in_compiled_modes(compiled_dir, dtype):
     target = _load(compiled_dir, dtype=dtype)
     drafter = make_random_dspark(target, "vanilla", block_size=ROWS - 1, std=0.3)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 128, (int(n),), generator=gen).tolist() for n in (3, 11, 20, 6)]
     plain = Decoder(target)
-    spec = Decoder(target, DSparkDrafter(drafter.model, target))
     greedy = SamplingParams(temperature=0.0)
-    verified = 0
+    verified = accepted = 0
     for p in prompts:
-        result = spec.generate(p, 30, greedy)
-        assert result.token_ids == plain.generate(p, 30, greedy).token_ids
-        verified += sum(r.verified for r in result.rounds)
-    assert verified > 0
+        want = plain.generate(p, 30, greedy).token_ids
+        chain = Decoder(target, DSparkDrafter(drafter.model, target)).generate(p, 30, greedy)
+        # trees whose accepted path hides behind decoys at every level (K/V in scattered slots)
+        tree = Decoder(target, BranchOracle(want, len(p), 128), TreePolicy(8)).generate(p, 30, greedy)
+        assert chain.token_ids == want and tree.token_ids == want
+        verified += sum(r.verified for r in chain.rounds)
+        accepted += sum(r.accepted for r in tree.rounds)
+    assert verified > 0 and accepted > 20
 
 
 def test_runner_choice_and_artifact_life_cycle(compiled_dir, tmp_path, monkeypatch, capsys):

@@ -3,12 +3,12 @@ accepted path leaves behind."""
 
 import pytest
 import torch
-from helpers import make_random_dspark, make_random_eagle3, make_tiny_hf_model, tokens_tv
+from helpers import BranchOracle, make_random_dspark, make_random_eagle3, make_tiny_hf_model, tokens_tv
 
 from dspark.decode.generate import Decoder
 from dspark.decode.step import DecodeStep
 from dspark.decode.verify import verify_tree_greedy, verify_tree_sampled
-from dspark.draft.base import DraftBlock, Drafter, PerRequestDrafters
+from dspark.draft.base import PerRequestDrafters
 from dspark.draft.prompt_lookup import PromptLookupDrafter
 from dspark.draft.tree import DraftTree, grow_tree
 from dspark.model.loading import load_target
@@ -125,41 +125,13 @@ def test_greedy_tree_decoding_equals_plain_greedy(tiny, name, nodes):
         assert all(r.nodes is not None and r.nodes <= nodes for r in got.rounds[:-1])
 
 
-class BranchOracle(Drafter):
-    """Trees whose accepted path runs through the *last* child at every level, behind decoys: the
-    target's own greedy continuation, known in advance."""
-
-    def __init__(self, continuation: list[int], vocab: int):
-        self.continuation, self.vocab, self.done = continuation, vocab, 0
-
-    def begin(self, prompt_ids):
-        self.done = 0
-
-    def observe(self, tokens, taps):
-        self.done += len(tokens)
-
-    def propose(self, anchor, max_tokens, params, generator):
-        return DraftBlock([])
-
-    def propose_tree(self, anchor, max_depth, budget, max_children, params, generator):
-        tokens, parents, parent = [], [], -1
-        truth = self.continuation[self.done - self.prompt_len + 1:][: min(3, max_depth)]
-        for t in truth:
-            for x in ((t + 1) % self.vocab, (t + 2) % self.vocab, t):  # two decoys, then the truth
-                tokens.append(x)
-                parents.append(parent)
-            parent = len(tokens) - 1
-        return DraftTree(tokens, parents)
-
-
 def test_kv_compaction_leaves_exactly_the_accepted_path(tiny):
     """After tree rounds whose accepted nodes sit behind rejected siblings, the cache holds exactly the
     K/V a plain prefill of the committed tokens computes: a rejected branch's K/V left in place would
     show here (and in every later token)."""
     prompt = [5, 9, 17, 33, 4, 71]
     want = Decoder(tiny).generate(prompt, 30).token_ids
-    oracle = BranchOracle(want, tiny.cfg.vocab_size)
-    oracle.prompt_len = len(prompt)
+    oracle = BranchOracle(want, len(prompt), tiny.cfg.vocab_size)
     step = DecodeStep(tiny.model, PerRequestDrafters(lambda: oracle), TreePolicy(9))
     cache = tiny.model.new_cache(1, 64)
     row = step.start(cache, 0, prompt, SamplingParams(), torch.Generator())

@@ -40,7 +40,7 @@ from dspark.util.cache import cache_root
 from dspark.util.journal import json_digest
 from dspark.util.platform import cpu_flags
 
-COMPILED_VERSION = 2  # bumped when StepGraph / HeadGraph or their compile options change
+COMPILED_VERSION = 3  # bumped when StepGraph / HeadGraph or their compile options change
 WEIGHTS = ("bf16", "int8")  # how the compiled runner stores the projections' weights (see Projection)
 ROWS = 9  # tokens in every compiled call: an anchor and 8 drafts (more run eager: prefills, longer blocks)
 INDUCTOR_OPTIONS = {
@@ -55,9 +55,13 @@ INDUCTOR_OPTIONS = {
 class StepGraph(nn.Module):
     """The target's forward over k tokens of one sequence (see the module docstring).
 
-    forward(ids [k], pos [k], mask [k, S] bool, *kv: L_layers x [2 * kv_heads, S, head_dim])
+    forward(ids [k], pos [k], slots [k], path_slots [k, k], on_path [k, k] bool,
+            *kv: L_layers x [2 * kv_heads, S, head_dim])
       -> hidden [k, H] (after the final norm), states [k, layers + 1, H] (the embedding output, then each
-         decoder layer's output: what the drafters tap)."""
+         decoder layer's output: what the drafters tap).
+    Row i is at RoPE position pos[i] and writes its K/V to slot slots[i]. It attends to the slots before
+    position pos[i] - k + 1 (committed tokens: slot = position) and to its last k positions, whose K/V
+    sit in slots path_slots[i] (committed ones, or this call's rows on its path), where on_path[i]."""
 
     def __init__(self, model, weights: str = "bf16"):
         super().__init__()
@@ -85,27 +89,50 @@ class StepGraph(nn.Module):
         a, b = pairs[..., 0], pairs[..., 1]
         return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2).to(qk.dtype)
 
-    def forward(self, ids, pos, mask, *kv):
-        k, width = ids.shape[0], mask.shape[1]  # k = ROWS; width = S
+    def forward(self, ids, pos, slots, path_slots, on_path, *kv):
+        k, width = ids.shape[0], kv[0].shape[1]  # k = ROWS; width = S
         nh, nkv, hd = self.nh, self.nkv, self.hd
         group = nh // nkv
         rope = self.rope[pos][:, None]  # [k, 1, d / 2, 2]
         cos, sin = rope[..., 0], rope[..., 1]
-        # each K/V head's group of query heads folded into its query rows (attention.py's decode shape)
-        folded_mask = mask[None, None].expand(1, 1, group, k, width).reshape(1, 1, group * k, width)
+        # row i's far context: the slots before its last `k` positions, as SDPA's additive mask (query
+        # heads folded into rows: folded row g * k + i is row i)
+        far = torch.arange(width)[None] < (pos - (k - 1))[:, None]  # [k, S]
+        far_bias = torch.zeros(k, width, dtype=torch.bfloat16).masked_fill(~far, float("-inf"))
+        far_bias = far_bias[None].expand(group, k, width).reshape(1, 1, group * k, width)
+        has_far = pos > k - 1  # rows within the first k positions have none
+        near_bias = torch.zeros(k, k).masked_fill(~on_path, float("-inf"))  # [row, near position]
         x = F.embedding(ids, self.embed)
         states = [x]
         for li, buf in enumerate(kv):
             qkv = self.wqkv[li](self._normed(x)).view(k, nh + 2 * nkv, hd)
             qk = self._rotated(qkv[:, : nh + nkv], cos, sin)
-            buf[:, pos] = torch.cat([qk[:, nh:], qkv[:, nh + nkv:]], 1).transpose(0, 1)
-            q = qk[:, :nh].view(k, nkv, group, hd).permute(1, 2, 0, 3).reshape(1, nkv, group * k, hd)
-            attn = F.scaled_dot_product_attention(q, buf[None, :nkv], buf[None, nkv:], attn_mask=folded_mask)
-            x = x + self.wo[li](attn.view(nkv, group, k, hd).permute(2, 0, 1, 3).reshape(k, nh * hd))
+            buf[:, slots] = torch.cat([qk[:, nh:], qkv[:, nh + nkv:]], 1).transpose(0, 1)
+            q = qk[:, :nh].view(k, nkv, group, hd).permute(1, 2, 0, 3)  # [nkv, group, k, hd]
+            attn = self._attention(q, buf, far_bias, has_far, buf[:, path_slots], near_bias)
+            x = x + self.wo[li](attn.permute(2, 0, 1, 3).reshape(k, nh * hd))
             gate, up = self.w_gate_up[li](self._normed(x)).chunk(2, dim=-1)
             x = x + self.w_down[li](F.silu(gate) * up)
             states.append(x)
         return self._normed(x) * self.norm, torch.stack(states, dim=1)
+
+    def _attention(self, q, buf, far_bias, has_far, near, near_bias):
+        """Attention of each row to its far context (SDPA over the window, with its log-sum-exp) and to
+        its last k positions (`near` [2 * nkv, k, k, hd]: the K/V of its path's positions in order,
+        gathered from wherever they sit), merged exactly as one softmax over both. A row's numbers
+        depend on its position and path alone: the same whether it is decoded alone, verified in a
+        chain or deep in a tree with its ancestors' K/V in scattered slots."""
+        nkv, group, k, hd = q.shape
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.reshape(1, nkv, group * k, hd), buf[None, :nkv], buf[None, nkv:], 0.0, False, attn_mask=far_bias)
+        out, lse = out.view(nkv, group, k, hd).float(), lse.view(nkv, group, k)
+        lse = torch.where(has_far, lse, float("-inf"))  # SDPA gives a row it masks whole lse 0, output 0
+        scores = torch.einsum("ngid,nijd->ngij", q.float(), near[:nkv].float()) * hd ** -0.5 + near_bias
+        near_lse = torch.logsumexp(scores, -1)
+        near_out = torch.einsum("ngij,nijd->ngid", torch.exp(scores - near_lse[..., None]), near[nkv:].float())
+        total = torch.logaddexp(lse, near_lse)
+        merged = out * torch.exp(lse - total)[..., None] + near_out * torch.exp(near_lse - total)[..., None]
+        return merged.to(torch.bfloat16)
 
 
 class HeadGraph(nn.Module):
@@ -186,14 +213,15 @@ def compile_runner(model, model_dir: Path, weights: str = "bf16", say=print, row
     kv = [torch.zeros(2 * c.num_key_value_heads, example_width, c.head_dim, dtype=torch.bfloat16)
           for _ in range(c.num_hidden_layers)]
     ids, pos = torch.zeros(rows, dtype=torch.long), torch.arange(example_width - rows, example_width)
-    mask = torch.arange(example_width)[None] <= pos[:, None]
+    path_slots, on_path = near_slots(example_width - rows, torch.arange(rows), torch.ones(rows, rows).tril().bool(),
+                                     rows)
     started = time.perf_counter()
     with torch.no_grad():
         say("exporting the decode step and the LM head (torch.export)")
         programs = {
-            "step": torch.export.export(step, (ids, pos, mask, *kv),
-                                        dynamic_shapes={"ids": None, "pos": None, "mask": {1: window},
-                                                        "kv": ({1: window},) * len(kv)}),
+            "step": torch.export.export(step, (ids, pos, pos.clone(), path_slots, on_path, *kv),  # two inputs, not one
+                                        dynamic_shapes={"ids": None, "pos": None, "slots": None, "path_slots": None,
+                                                        "on_path": None, "kv": ({1: window},) * len(kv)}),
             "head": torch.export.export(head, (torch.zeros(rows, c.hidden_size, dtype=torch.bfloat16),)),
         }
         for name, program in programs.items():
@@ -226,15 +254,17 @@ class CompiledRunner:
         """Whether the step runs q tokens of one sequence whose K/V window is `window` positions."""
         return q <= self.rows < window
 
-    def forward(self, input_ids: torch.Tensor, kv: list[torch.Tensor], start: int, taps: tuple[int, ...]):
-        """input_ids [1, q] at positions start.. of the one-row cache `kv` -> (hidden [1, q, H], taps
-        [1, q, m, H] or None). The q tokens are padded to `rows` with copies of the last (see the module
-        docstring)."""
+    def forward(self, input_ids: torch.Tensor, kv: list[torch.Tensor], start: int, taps: tuple[int, ...],
+                tree: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """input_ids [1, q] after `start` committed tokens of the one-row cache `kv` -> (hidden [1, q, H],
+        taps [1, q, m, H] or None); a chain, or the tree `tree` (TargetModel.forward's). The q tokens
+        are padded to `rows` with copies of the last (see the module docstring)."""
         q = input_ids.shape[1]
-        ids = _padded(input_ids[0], self.rows)
-        pos = torch.arange(start, start + self.rows).clamp_(max=start + q - 1)
-        mask = torch.arange(kv[0].shape[2])[None] <= pos[:, None]
-        hidden, states = self.step(ids, pos, mask, *[t[0] for t in kv])
+        depth, visible = (torch.arange(q), torch.ones(q, q).tril().bool()) if tree is None else tree
+        ids, pos = _padded(input_ids[0], self.rows), start + _padded(depth, self.rows)
+        slots = torch.arange(start, start + self.rows).clamp_(max=start + q - 1)
+        path_slots, on_path = (_padded(t, self.rows) for t in near_slots(start, depth, visible, self.rows))
+        hidden, states = self.step(ids, pos, slots, path_slots, on_path, *[t[0] for t in kv])
         hidden = hidden[:q]
         if not taps:
             return hidden[None], None
@@ -250,6 +280,19 @@ class CompiledRunner:
             return None
         logits = self.head(_padded(rows, self.rows))
         return logits[:n].view(*hidden.shape[:-1], -1)
+
+
+def near_slots(start: int, depth: torch.Tensor, visible: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """StepGraph's (path_slots, on_path) [q, rows] for q tokens after `start` committed ones, token i at
+    depth[i] seeing the tokens visible[i] marks (its ancestors and itself; tokens numbered parents first):
+    the slots of positions pos_i - rows + 1 .. pos_i on its path — committed slots before `start`, its
+    ancestors' (in depth order) and its own after — and whether each position exists (>= 0)."""
+    q = depth.shape[0]
+    ancestors = torch.where(visible, torch.arange(q), q).sort(1).values  # [q, q]: by depth, then q
+    position = start + depth[:, None] - (rows - 1) + torch.arange(rows)[None]  # [q, rows]
+    in_call = position >= start
+    ancestor = ancestors.gather(1, (position - start).clamp(min=0, max=q - 1))
+    return torch.where(in_call, start + ancestor, position.clamp(min=0)), position >= 0
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:

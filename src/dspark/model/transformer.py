@@ -327,8 +327,8 @@ class TargetModel(nn.Module):
         whole_row = B == 1 and (num_new is None or int(num_new[0]) == q)
         if tree is not None and not whole_row:
             raise DsparkError("a token tree is verified in one row of one request")
-        if self.compiled is not None and whole_row and tree is None and self.compiled.covers(q, cache.max_len):
-            hidden, taps_out = self.compiled.forward(input_ids, cache.kv, int(start[0]), taps)
+        if self.compiled is not None and whole_row and self.compiled.covers(q, cache.max_len):
+            hidden, taps_out = self.compiled.forward(input_ids, cache.kv, int(start[0]), taps, tree)
             cache.lengths = end
             return ForwardOutput(hidden=hidden, taps=taps_out)
         tokens = TokenLayout(start, num_new, q, None if tree is None else tree[0])
