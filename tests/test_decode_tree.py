@@ -13,7 +13,7 @@ from dspark.draft.prompt_lookup import PromptLookupDrafter
 from dspark.draft.tree import DraftTree, grow_tree
 from dspark.model.loading import load_target
 from dspark.sampling import SamplingParams, probs_from_logits
-from dspark.schedule.policies import TreePolicy, parse_policy
+from dspark.schedule.policies import DSparkTreePolicy, SPSTable, TreePolicy, parse_policy
 
 TRIALS = 200_000
 
@@ -151,8 +151,29 @@ def test_kv_compaction_leaves_exactly_the_accepted_path(tiny):
         torch.testing.assert_close(got[:, :, :n], ref[:, :, :n], rtol=1e-5, atol=1e-5)
 
 
+def test_the_hardware_picks_the_tree_size():
+    """`tree` verifies the growth-order prefix that maximises (1 + Σ priorities) · SPS(N + 1), stopping at
+    the first node that lowers it: all of a likely tree on a flat cost curve, little on a steep one."""
+    priorities = [0.9, 0.8, 0.5, 0.3, 0.1, 0.05]
+    flat = DSparkTreePolicy(SPSTable(tuple([100.0] * 9)))
+    steep = DSparkTreePolicy(SPSTable(tuple(100.0 / (1 + 0.5 * b) for b in range(9))))
+    assert flat.tree_nodes == 8 and flat.tree_size(priorities) == 6
+    # SPS 100, 66.7, 50, 40: Θ = 100, 1.9 * 66.7 = 127, 2.7 * 50 = 135, then 3.2 * 40 = 128 stops
+    assert steep.tree_size(priorities) == 2
+    assert steep.tree_size([0.01]) == 0
+
+
+def test_greedy_decoding_with_the_hardware_chosen_tree_equals_plain_greedy(tiny):
+    drafter = make_random_dspark(tiny, "vanilla", block_size=4, std=0.3)
+    for sps in ((50.0,) * 12, tuple(50.0 / (1 + 0.3 * b) for b in range(12))):
+        spec = Decoder(tiny, drafter, DSparkTreePolicy(SPSTable(sps)))
+        prompt = [5, 9, 17, 33, 4, 71]
+        assert spec.generate(prompt, 40).token_ids == Decoder(tiny).generate(prompt, 40).token_ids
+
+
 def test_tree_policy_spelling():
     assert parse_policy("tree:16").tree_nodes == 16
-    for bad in ("tree", "tree:0", "tree:x", "tree:100000"):
+    assert parse_policy("tree", SPSTable((1.0,) * 20)).tree_nodes == 19
+    for bad in ("tree:0", "tree:x", "tree:100000"):
         with pytest.raises(Exception, match="tree"):
             parse_policy(bad)

@@ -1,7 +1,7 @@
 """What a `--drafter` / `--policy` value names -> (drafter, verification policy, engine), for every command.
 
 One grammar: `DRAFTER[@POLICY]`, DRAFTER = auto | none | prompt-lookup | PATH to a checkpoint directory,
-POLICY = ar | full | fixed:K | threshold:C | tree:N | dspark | dspark-async (`schedule/policies.py`); `--policy
+POLICY = ar | full | fixed:K | threshold:C | tree | tree:N | dspark | dspark-async (`schedule/policies.py`); `--policy
 POLICY` says the same apart. `auto` is the drafter dspark ships for the target (else prompt lookup).
 A path alone verifies every draft (`full`) in `generate` / `eval`, and `serve` defaults to `dspark`.
 """
@@ -25,6 +25,7 @@ from dspark.schedule.sps import load_or_measure, load_or_measure_draft_cost
 
 DRAFTER_CHOICES = "auto | none | prompt-lookup | PATH to a drafter checkpoint directory, each optionally @POLICY"
 ENGINE_PROMPT_LOOKUP_DRAFTS = 8  # drafts per row of the batched engine's prompt-lookup drafter
+TREE_MAX_TOKENS = 33  # the SPS curve `tree` reads: trees of up to 32 drafts
 EngineFactory = Callable[[Policy, int], Engine]  # (policy, max_batch) -> Engine
 
 
@@ -130,15 +131,17 @@ def request_policy(rule: str, drafter: Drafter | None, target: Target,
     if confidence_threshold is not None:
         if name == "threshold":
             raise DsparkError(f"the rule {rule!r} already sets a threshold; drop --confidence-threshold")
-        if name.startswith("dspark"):
-            raise DsparkError("the dspark verification rule and --confidence-threshold exclude each other")
+        if name.startswith("dspark") or name == "tree":
+            raise DsparkError(f"the {name} verification rule and --confidence-threshold exclude each other")
         name, rule = "threshold", f"threshold:{confidence_threshold}"
     if name in ("threshold", "dspark", "dspark-async") and not drafter.has_confidence:
         raise DsparkError(f"this drafter has no confidence head: the {name} verification rule needs one")
-    if not name.startswith("dspark"):
+    hardware = name.startswith("dspark") or rule == "tree"  # the policies that read the SPS curve
+    if not hardware:
         return parse_policy(rule)
     draft_s = load_or_measure_draft_cost(drafter, target)
-    policy = parse_policy(name, load_or_measure(target, max_tokens=drafter.max_drafts + 1, progress=False)[0])
+    max_tokens = TREE_MAX_TOKENS if name == "tree" else drafter.max_drafts + 1
+    policy = parse_policy(name, load_or_measure(target, max_tokens=max_tokens, progress=False)[0])
     assert isinstance(policy, DSparkPolicy)
     policy.gate.draft_seconds = lambda requests: draft_s
     return policy

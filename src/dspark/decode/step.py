@@ -129,6 +129,8 @@ class DecodeStep:
         committed = int(view.lengths[0])
         budget = min(self.policy.tree_nodes, view.max_len - committed - 1)
         tree = self.drafter.propose_tree(row.index, row.anchor, row.budget, budget, row.params, row.generator)
+        if tree.priorities is not None:
+            tree = tree.prefix(self.policy.tree_size(tree.priorities))
         t2 = time.perf_counter()
         ids = torch.tensor([[row.anchor] + tree.tokens])
         out = self.model(ids, view, taps=self.taps, tree=tree.attention())

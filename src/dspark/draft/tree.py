@@ -31,6 +31,9 @@ class DraftTree:
     # per node with children (-1: the anchor): the draft distribution [V] its children were drawn
     # from without replacement, in order; absent when they were chosen deterministically (greedy)
     child_probs: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # per node, its slot's priority when it was drawn (its path's draft probability as known before the
+    # draw; non-increasing in node order); None for a tree not grown best-first
+    priorities: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -56,6 +59,13 @@ class DraftTree:
             out.append(node)
             node = self.parents[node]
         return out[::-1]
+
+    def prefix(self, n: int) -> DraftTree:
+        """The tree of the first n nodes (parents precede children: still a tree)."""
+        if n >= len(self):
+            return self
+        return DraftTree(self.tokens[:n], self.parents[:n], {k: v for k, v in self.child_probs.items() if k < n},
+                         None if self.priorities is None else self.priorities[:n])
 
     def attention(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(depth offsets [1 + n], visibility [1 + n, 1 + n] bool) of the verify forward's tokens
@@ -104,7 +114,7 @@ def grow_tree(expand: Expand, anchor: int, budget: int, max_depth: int, max_chil
     draft-vocabulary distribution they were drawn from (keyed like `DraftTree.child_probs`; the caller
     maps it to the full vocabulary)."""
     nodes = {-1: _Node(anchor, 1.0, None)}
-    tokens, parents, depth = [], [], {-1: 0}
+    tokens, parents, priorities, depth = [], [], [], {-1: 0}
     heap: list[tuple[float, int, int]] = [(-1.0, -1, -1)]  # (-priority, node, slot); slot -1: not expanded yet
     while heap and len(tokens) < budget:
         neg_priority, n, slot = heapq.heappop(heap)
@@ -119,13 +129,14 @@ def grow_tree(expand: Expand, anchor: int, budget: int, max_depth: int, max_chil
         child = len(tokens)
         tokens.append(to_token(index))
         parents.append(n)
+        priorities.append(-neg_priority)
         depth[child] = depth[n] + 1
         if slot + 1 < len(node.order):
             heapq.heappush(heap, (-node.score * node.sorted_probs[slot + 1], n, slot + 1))
         if depth[child] < max_depth:
             nodes[child] = _Node(tokens[child], node.score * float(node.probs[index]), node.child_state)
             heapq.heappush(heap, (-nodes[child].score, child, -1))
-    return DraftTree(tokens, parents), {n: nodes[n].probs for n in sorted(set(parents))}
+    return DraftTree(tokens, parents, priorities=priorities), {n: nodes[n].probs for n in sorted(set(parents))}
 
 
 def _expand(node: _Node, expanded: tuple[torch.Tensor, object], max_children: int, params: SamplingParams,

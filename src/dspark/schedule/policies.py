@@ -170,6 +170,10 @@ class Policy:
     gate: DraftGate | None = None  # decides per step whether drafting pays at all
     tree_nodes = 0  # > 0: a single request verifies a token tree of up to this many drafts
 
+    def tree_size(self, priorities: Sequence[float]) -> int:
+        """How many of a grown tree's nodes (in growth order; `priorities` their slot priorities) to verify."""
+        return len(priorities)
+
     def should_draft(self, requests: int) -> bool:
         return self.drafts and (self.gate is None or self.gate.should_draft(requests))
 
@@ -267,6 +271,32 @@ class DSparkPolicy(Policy):
         return self.gate.step_rate(requests) if self.gate else self.sps
 
 
+class DSparkTreePolicy(DSparkPolicy):
+    """`tree`: a single request verifies the prefix of its best-first token tree (up to `tree_nodes`
+    drafts) that maximises Θ = (1 + Σ_{i<N} s_i) · rate(N + 1) — s_i node i's slot priority, its path's
+    draft probability as known *before* the node was drawn, rate the step rate of the SPS curve with
+    the drafting pass — admitting nodes in growth order and stopping at the first that lowers Θ (the
+    prefix chosen never depends on a node's own token: lossless, DESIGN.md §7b). Rows of a batch get
+    the dspark policy's chains."""
+
+    name = "tree"
+
+    def __init__(self, sps: SPSTable, max_nodes: int = 64):
+        super().__init__(sps)
+        self.tree_nodes = max(1, min(max_nodes, sps.max_tokens - 1))
+
+    def tree_size(self, priorities: Sequence[float]) -> int:
+        rate = self.rate(1)
+        best, gain, size = rate(1), 1.0, 0
+        for i, s in enumerate(priorities):
+            gain += s
+            theta = gain * rate(i + 2)
+            if theta <= best:
+                break
+            best, size = theta, i + 1
+        return size
+
+
 class DSparkAsyncPolicy(DSparkPolicy):
     """Capacity K from the survivals of two steps earlier (unconstrained search), then top-K
     admission of the current survivals. Lossless: K never depends on the current tokens."""
@@ -294,11 +324,11 @@ class DSparkAsyncPolicy(DSparkPolicy):
 
 
 POLICY_NAMES = ("ar", "full", "fixed", "threshold", "tree", "dspark", "dspark-async")
-POLICIES = "ar | full | fixed:K | threshold:C | tree:N | dspark | dspark-async"  # the spellings parse_policy reads
+POLICIES = "ar | full | fixed:K | threshold:C | tree | tree:N | dspark | dspark-async"  # the spellings parse_policy reads
 
 
 def parse_policy(spec: str, sps: SPSTable | None = None) -> Policy:
-    """ar | full | fixed:K | threshold:C | tree:N | dspark | dspark-async."""
+    """ar | full | fixed:K | threshold:C | tree | tree:N | dspark | dspark-async."""
     name, _, arg = spec.partition(":")
     try:
         if name == "ar" and not arg:
@@ -309,12 +339,13 @@ def parse_policy(spec: str, sps: SPSTable | None = None) -> Policy:
             return FixedPolicy(int(arg))
         if name == "threshold":
             return ThresholdPolicy(float(arg))
-        if name == "tree":
+        if name == "tree" and arg:
             return TreePolicy(int(arg))
     except ValueError:
         raise DsparkError(f"bad policy {spec!r}: fixed:K and tree:N need an integer, threshold:C a number") from None
-    if name in ("dspark", "dspark-async") and not arg:
+    if name in ("dspark", "dspark-async", "tree") and not arg:
         if sps is None:
             raise DsparkError(f"policy {spec} needs an SPS table (run `dspark profile`)")
-        return DSparkPolicy(sps) if name == "dspark" else DSparkAsyncPolicy(sps)
-    raise DsparkError(f"unknown policy {spec!r}; choose ar, full, fixed:K, threshold:C, tree:N, dspark or dspark-async")
+        return {"dspark": DSparkPolicy, "dspark-async": DSparkAsyncPolicy, "tree": DSparkTreePolicy}[name](sps)
+    raise DsparkError(f"unknown policy {spec!r}; choose ar, full, fixed:K, threshold:C, tree, tree:N, dspark or "
+                      "dspark-async")
