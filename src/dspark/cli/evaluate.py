@@ -23,7 +23,7 @@ def add_parsers(sub) -> None:
     )
     ev.add_argument("--drafter", action="append", required=True,
                     help="auto | prompt-lookup | PATH, each optionally @POLICY (repeatable; auto = the bundled drafter "
-                    "of the target with the dspark policy, auto@full = the same verifying every draft; a PATH alone "
+                    "of the target with the tree policy, auto@full = the same verifying every draft; a PATH alone "
                     f"verifies every draft). POLICY: {POLICIES}")
     ev.add_argument("--dataset", action="append", default=None,
                     help="JSONL with {\"turns\": [...]} per line, or the name of a bundled set (gsm8k, humaneval, "

@@ -37,12 +37,13 @@ def add_parsers(sub) -> None:
     g.add_argument("--drafter", default="auto",
                    help="auto | none | prompt-lookup | PATH to a drafter checkpoint, each optionally @POLICY (the "
                    "same as --policy POLICY). Default auto: the DSpark drafter dspark ships for the target (the "
-                   "embedded SmolLM2) with the dspark policy, else prompt-lookup")
+                   "embedded SmolLM2) with the tree policy, else prompt-lookup")
     g.add_argument("--policy", default=None, metavar="POLICY",
                    help=f"how many drafts of each round the target verifies: {POLICIES}. full = every draft (the "
-                   "default for a PATH); dspark = stop where one more draft no longer raises expected tokens/s of "
-                   "the profiled target (the default for auto); threshold:C = while the calibrated prefix survival "
-                   ">= C; fixed:K = the first K; ar = none (plain decoding)")
+                   "default for a PATH); tree = a token tree grown best-first, as many of its drafts as raise "
+                   "expected tokens/s on the profiled target's cost curve (the default for auto); tree:N = a tree "
+                   "of N drafts; dspark = the chain's prefix that raises expected tokens/s; threshold:C = while the "
+                   "calibrated prefix survival >= C; fixed:K = the first K; ar = none (plain decoding)")
     g.add_argument("--num-draft-tokens", type=positive_int, default=None, help="max draft tokens per round")
     g.add_argument("--confidence-threshold", type=float, default=None, metavar="C",
                    help="verify drafts only while their calibrated prefix survival >= C (drafters with a confidence head)")
@@ -62,7 +63,7 @@ def _prompt_ids(text: str) -> list[int]:
 
 def cmd_generate(args) -> int:
     from dspark.decode.generate import Decoder
-    from dspark.decode.speculation import check_drafter_spec, load_speculation, with_policy
+    from dspark.decode.speculation import SINGLE_REQUEST_RULE, check_drafter_spec, load_speculation, with_policy
     from dspark.decode.streaming import TextStreamer
     from dspark.model.loading import parse_dtype
     from dspark.sampling import SamplingParams
@@ -82,7 +83,7 @@ def cmd_generate(args) -> int:
                           f"{'--stop needs one' if prompt_ids is not None else 'pass the prompt as token ids with --prompt-ids'}")
     drafter_spec, drafter, policy = load_speculation(
         spec, target, args.num_draft_tokens, args.confidence_threshold,
-        auto_rule="full" if args.confidence_threshold is not None else "dspark")
+        auto_rule="full" if args.confidence_threshold is not None else SINGLE_REQUEST_RULE)
     if prompt_ids is None:
         prompt_ids = target.encode_prompt(args.prompt, chat=not args.raw)
     else:

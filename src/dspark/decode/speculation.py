@@ -2,8 +2,9 @@
 
 One grammar: `DRAFTER[@POLICY]`, DRAFTER = auto | none | prompt-lookup | PATH to a checkpoint directory,
 POLICY = ar | full | fixed:K | threshold:C | tree | tree:N | dspark | dspark-async (`schedule/policies.py`); `--policy
-POLICY` says the same apart. `auto` is the drafter dspark ships for the target (else prompt lookup).
-A path alone verifies every draft (`full`) in `generate` / `eval`, and `serve` defaults to `dspark`.
+POLICY` says the same apart. `auto` is the drafter dspark ships for the target (else prompt lookup) with
+the `tree` policy in `generate` / `eval` and `dspark` in `serve`. A path alone verifies every draft (`full`)
+in `generate` / `eval`, and `serve` defaults to `dspark`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dspark.schedule.sps import load_or_measure, load_or_measure_draft_cost
 DRAFTER_CHOICES = "auto | none | prompt-lookup | PATH to a drafter checkpoint directory, each optionally @POLICY"
 ENGINE_PROMPT_LOOKUP_DRAFTS = 8  # drafts per row of the batched engine's prompt-lookup drafter
 TREE_MAX_TOKENS = 33  # the SPS curve `tree` reads: trees of up to 32 drafts
+SINGLE_REQUEST_RULE = "tree"  # what `auto` verifies one request at a time (generate, eval): the hardware's tree
 EngineFactory = Callable[[Policy, int], Engine]  # (policy, max_batch) -> Engine
 
 
@@ -112,7 +114,7 @@ def load_drafter(spec: str | None, target: Target, num_draft_tokens: int | None 
 
 
 def load_speculation(spec: str | None, target: Target, num_draft_tokens: int | None = None,
-                     confidence_threshold: float | None = None, auto_rule: str = "dspark"):
+                     confidence_threshold: float | None = None, auto_rule: str = SINGLE_REQUEST_RULE):
     """(resolved spec, drafter or None, policy) for one request at a time (`generate`, `eval`);
     `auto` takes `auto_rule`."""
     spec = resolve_drafter_spec(spec, target, auto_rule)

@@ -285,6 +285,12 @@ class DSparkTreePolicy(DSparkPolicy):
         super().__init__(sps)
         self.tree_nodes = max(1, min(max_nodes, sps.max_tokens - 1))
 
+    def should_draft(self, requests: int) -> bool:
+        """A single request always grows its tree (`tree_size` may still verify none of it): gating the
+        draft pass from past steps measured slower here (AMX Xeon, compiled bf16, 9 prompts: 93 vs 105
+        tok/s ungated), its estimate locking out drafting for hundreds of steps after a few poor rounds."""
+        return requests == 1 or super().should_draft(requests)
+
     def tree_size(self, priorities: Sequence[float]) -> int:
         rate = self.rate(1)
         best, gain, size = rate(1), 1.0, 0
