@@ -174,6 +174,8 @@ def test_greedy_decoding_with_the_hardware_chosen_tree_equals_plain_greedy(tiny)
 def test_tree_policy_spelling():
     assert parse_policy("tree:16").tree_nodes == 16
     assert parse_policy("tree", SPSTable((1.0,) * 20)).tree_nodes == 19
+    stepped = SPSTable((40.0,) * 9 + (20.0,) * 24)  # the compiled runner's 9 rows, then eager
+    assert parse_policy("tree", stepped).tree_nodes == 8
     for bad in ("tree:0", "tree:x", "tree:100000"):
         with pytest.raises(Exception, match="tree"):
             parse_policy(bad)

@@ -283,7 +283,20 @@ class DSparkTreePolicy(DSparkPolicy):
 
     def __init__(self, sps: SPSTable, max_nodes: int = 64):
         super().__init__(sps)
-        self.tree_nodes = max(1, min(max_nodes, sps.max_tokens - 1))
+        self.max_nodes = max(1, min(max_nodes, sps.max_tokens - 1))
+
+    @property
+    def tree_nodes(self) -> int:
+        """How many nodes are worth growing: node k can raise Θ only while ρ_k = rate(k) / rate(k + 1) keeps
+        (k - 1)(ρ_k - 1) < 1 (its priority s is at most each earlier one's and at most 1, so the gain
+        before it is at least 1 + (k - 1) s): on a curve with a step (the compiled runner's 9 rows, then
+        eager) growth stops at the step instead of drafting nodes no prefix would keep."""
+        rate = self.rate(1)
+        for k in range(1, self.max_nodes + 1):
+            rho = rate(k) / rate(k + 1) if rate(k + 1) > 0 else float("inf")
+            if (k - 1) * (rho - 1) >= 1 or rho >= 2:
+                return max(1, k - 1)
+        return self.max_nodes
 
     def should_draft(self, requests: int) -> bool:
         """A single request always grows its tree (`tree_size` may still verify none of it): gating the
