@@ -100,11 +100,11 @@ class BranchOracle(Drafter):
     def propose(self, anchor, max_tokens, params, generator):
         return DraftBlock([])
 
-    def propose_tree(self, anchor, max_depth, budget, max_children, params, generator):
+    def propose_tree(self, anchor, limits, params, generator):
         tokens, parents, parent = [], [], -1
-        truth = self.continuation[self.done - self.prompt_len + 1:][: min(3, max_depth)]
+        truth = self.continuation[self.done - self.prompt_len + 1:][: min(3, limits.depth)]
         for t in truth:
-            decoys = min(2, budget - len(tokens) - 1)
+            decoys = min(2, limits.nodes - len(tokens) - 1)
             if decoys < 0:
                 break
             for x in [(t + 1 + i) % self.vocab for i in range(decoys)] + [t]:  # decoys, then the truth

@@ -10,7 +10,7 @@ from dspark.decode.step import DecodeStep
 from dspark.decode.verify import verify_tree_greedy, verify_tree_sampled
 from dspark.draft.base import PerRequestDrafters
 from dspark.draft.prompt_lookup import PromptLookupDrafter
-from dspark.draft.tree import DraftTree, grow_tree
+from dspark.draft.tree import DraftTree, TreeLimits, grow_tree
 from dspark.model.loading import load_target
 from dspark.sampling import SamplingParams, probs_from_logits
 from dspark.schedule.policies import DSparkTreePolicy, SPSTable, TreePolicy, parse_policy
@@ -33,7 +33,7 @@ def toy_expand(first: torch.Tensor, second: torch.Tensor):
 def test_greedy_growth_is_best_first_by_path_probability():
     first = torch.tensor([2.0, 1.5, 0.0, -3.0]).log_softmax(-1)
     second = torch.tensor([[0.0, 3.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0] * 4])
-    tree, _ = grow_tree(toy_expand(first, second), 9, 4, 2, 3, SamplingParams(), None, lambda i: i)
+    tree = grow_tree(toy_expand(first, second), 9, TreeLimits(4, 2, 3), SamplingParams(), None, lambda i: i)
     # p(0) = .57, then p(0 -> 1) = .57 * .87 = .50, p(1) = .35, then p(1 -> 0) = .35 * .25 = .09 > p(2) = .08
     assert tree.tokens[:3] == [0, 1, 1] and tree.parents == [-1, 0, -1, 2]
     assert tree.depths() == [1, 2, 1, 2] and tree.path(3) == [2, 3]
@@ -46,13 +46,14 @@ def test_growth_respects_budget_depth_and_fan_out():
     torch.manual_seed(0)
     first, second = torch.randn(16), torch.randn(16, 16)
     for params in (SamplingParams(), SamplingParams(temperature=1.0, top_k=5)):
-        tree, probs = grow_tree(toy_expand(first, second), 0, 12, 2, 3, params, torch.Generator().manual_seed(1),
-                                lambda i: i)
+        tree = grow_tree(toy_expand(first, second), 0, TreeLimits(12, 2, 3), params, torch.Generator().manual_seed(1),
+                         lambda i: i)
+        probs = tree.child_probs
         assert len(tree) == 12 and max(tree.depths()) == 2
         kids = tree.children()
         assert all(len(c) <= 3 for c in kids.values())
         assert all(len({tree.tokens[c] for c in cs}) == len(cs) for cs in kids.values())  # siblings differ
-        assert set(probs) == set(kids)
+        assert set(probs) == (set() if params.greedy else set(kids))
         if not params.greedy:  # sampled children come from the top-k support only
             assert all(float(probs[n][tree.tokens[c]]) > 0 for n, cs in kids.items() for c in cs)
 
@@ -80,9 +81,9 @@ def test_sampled_tree_keeps_the_joint_distribution_of_two_tokens():
     expand = toy_expand(d1, d2)
     out = torch.empty(TRIALS, dtype=torch.long)
     for i in range(TRIALS):
-        tree, probs = grow_tree(expand, 0, 5, 2, 2, params, g, lambda j: j)
+        tree = grow_tree(expand, 0, TreeLimits(5, 2, 2), params, g, lambda j: j)
         rows = torch.stack([p1] + [p2[x] for x in tree.tokens])
-        path, nxt = verify_tree_sampled(tree.children(), tree.tokens, probs, rows, g)
+        path, nxt = verify_tree_sampled(tree, rows, g)
         committed = [tree.tokens[n] for n in path] + [nxt]
         if len(committed) == 1:
             committed.append(int(torch.multinomial(p2[committed[0]], 1, generator=g)))
@@ -97,7 +98,7 @@ def test_deterministic_children_are_verified_losslessly():
     tree = DraftTree([1, 3], [-1, -1])
     first = torch.empty(TRIALS, dtype=torch.long)
     for i in range(TRIALS):
-        path, nxt = verify_tree_sampled(tree.children(), tree.tokens, {}, p_t.expand(3, -1), g)
+        path, nxt = verify_tree_sampled(tree, p_t.expand(3, -1), g)
         first[i] = tree.tokens[path[0]] if path else nxt
     assert tokens_tv(first, p_t) < 0.005
 
@@ -152,15 +153,21 @@ def test_kv_compaction_leaves_exactly_the_accepted_path(tiny):
 
 
 def test_the_hardware_picks_the_tree_size():
-    """`tree` verifies the growth-order prefix that maximises (1 + Σ priorities) · SPS(N + 1), stopping at
-    the first node that lowers it: all of a likely tree on a flat cost curve, little on a steep one."""
-    priorities = [0.9, 0.8, 0.5, 0.3, 0.1, 0.05]
+    """`tree` grows node after node while (1 + Σ priorities) · SPS(N + 1) rises and stops at the first that
+    lowers it: all of a likely tree on a flat cost curve, little on a steep one."""
+    first = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0, -2.0])  # one level: priorities .64, .23, .09, .03, ...
     flat = DSparkTreePolicy(SPSTable(tuple([100.0] * 9)))
     steep = DSparkTreePolicy(SPSTable(tuple(100.0 / (1 + 0.5 * b) for b in range(9))))
-    assert flat.tree_nodes == 8 and flat.tree_size(priorities) == 6
-    # SPS 100, 66.7, 50, 40: Θ = 100, 1.9 * 66.7 = 127, 2.7 * 50 = 135, then 3.2 * 40 = 128 stops
-    assert steep.tree_size(priorities) == 2
-    assert steep.tree_size([0.01]) == 0
+    assert flat.tree_nodes == 8
+
+    def grown(policy):
+        limits = TreeLimits(policy.tree_nodes, 1, 8, policy.tree_admit)
+        return len(grow_tree(toy_expand(first, None), 0, limits, SamplingParams(), None, lambda i: i))
+
+    assert grown(flat) == 6
+    # SPS 100, 66.7, 50: Θ = 100, (1 + .64) * 66.7 = 109, then (1.64 + .23) * 50 = 94 stops
+    assert grown(steep) == 1
+    assert DSparkTreePolicy(SPSTable((100.0, 10.0))).tree_admit(0, 1.0, 0.9) is False
 
 
 def test_greedy_decoding_with_the_hardware_chosen_tree_equals_plain_greedy(tiny):

@@ -10,7 +10,8 @@ admission around it; `dspark eval` and regeneration run on those two. `start` pr
      call, each row drawing from its own generator;
   4. commit: cache rows roll back to their committed lengths, the drafter observes the committed
      tokens, the policy records the step.
-A row's sample path depends on its own generator alone, never on which rows share its batch.
+A row's sample path depends on its own generator alone, never on which rows share its batch. A lone
+request under a tree policy drafts, verifies and commits a token tree instead (`_tree_step`, DESIGN.md §7b).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from dspark.decode.verify import verify_chains, verify_tree_greedy, verify_tree_sampled
 from dspark.draft.base import BatchDrafter, DraftBlock
+from dspark.draft.tree import DraftTree, TreeLimits
 from dspark.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
 from dspark.schedule.policies import Policy
 from dspark.schedule.survival import AcceptanceEstimate, prefix_survival
@@ -57,6 +59,15 @@ class Row:
 class RowResult:
     round: Round
     tokens: list[int]  # committed by this step: the accepted drafts, then the next anchor
+
+
+def keep_path(view, committed: int, rows: list[int]) -> None:
+    """Move the K/V of a verified tree's accepted path (its forward rows, in slots `committed + row`)
+    to the slots right after the anchor's, `committed + 1..`, in every layer of the one-row cache `view`."""
+    if rows != list(range(1, len(rows) + 1)):
+        src = committed + torch.tensor(rows)
+        for kv in view.kv:
+            kv[:, :, committed + 1 : committed + 1 + len(rows)] = kv[:, :, src]
 
 
 def draft_budget(tokens_left: int, room: int) -> int:
@@ -127,34 +138,30 @@ class DecodeStep:
         t1 = time.perf_counter()
         view = cache.row(row.index)
         committed = int(view.lengths[0])
-        budget = min(self.policy.tree_nodes, view.max_len - committed - 1)
-        tree = self.drafter.propose_tree(row.index, row.anchor, row.budget, budget, row.params, row.generator)
-        if tree.priorities is not None:
-            tree = tree.prefix(self.policy.tree_size(tree.priorities))
+        limits = TreeLimits(nodes=min(self.policy.tree_nodes, view.max_len - committed - 1), depth=row.budget,
+                            admit=self.policy.tree_admit)
+        tree = self.drafter.propose_tree(row.index, row.anchor, limits, row.params, row.generator)
         t2 = time.perf_counter()
         ids = torch.tensor([[row.anchor] + tree.tokens])
         out = self.model(ids, view, taps=self.taps, tree=tree.attention())
-        logits = self.model.logits(out.hidden[0])
-        children = tree.children()
-        if row.params.greedy:
-            path, nxt = verify_tree_greedy(children, tree.tokens, argmax_rows(logits))
-        else:
-            path, nxt = verify_tree_sampled(children, tree.tokens, tree.child_probs,
-                                            probs_from_logits(logits, row.params), row.generator)
-        slots = [1 + n for n in path]  # forward rows (and cache slots past `committed`) of the accepted nodes
-        if slots != list(range(1, len(path) + 1)):
-            src = committed + torch.tensor(slots)
-            for kv in view.kv:
-                kv[:, :, committed + 1 : committed + 1 + len(path)] = kv[:, :, src]
+        path, nxt = self._verify_tree(tree, self.model.logits(out.hidden[0]), row)
+        rows = [1 + n for n in path]  # the accepted nodes' forward rows (and cache slots past `committed`)
+        keep_path(view, committed, rows)
         cache.lengths[row.index] = committed + 1 + len(path)
         tokens = [tree.tokens[n] for n in path]
-        self.drafter.observe(row.index, [row.anchor] + tokens, out.taps[0, [0] + slots] if self.taps else None)
-        depth = max(tree.depths(), default=0)
+        self.drafter.observe(row.index, [row.anchor] + tokens, out.taps[0, [0] + rows] if self.taps else None)
         self.policy.record_step(1, True, 1 + len(tree), 1 + len(path), t2 - t1)
         self.steps += 1
         self.draft_s += t2 - t0
         self.verify_s += time.perf_counter() - t2
-        return RowResult(Round(depth, len(path), nodes=len(tree)), tokens + [nxt])
+        return RowResult(Round(max(tree.depths(), default=0), len(path), nodes=len(tree)), tokens + [nxt])
+
+    @staticmethod
+    def _verify_tree(tree: DraftTree, logits: torch.Tensor, row: Row) -> tuple[list[int], int]:
+        """(accepted nodes, next token) from the target's logits after the anchor and every node."""
+        if row.params.greedy:
+            return verify_tree_greedy(tree.children(), tree.tokens, argmax_rows(logits))
+        return verify_tree_sampled(tree, probs_from_logits(logits, row.params), row.generator)
 
     def _draft(self, rows: list[Row]) -> tuple[list[DraftBlock | None], float]:
         """The rows' draft blocks and the seconds of the proposal alone: the policy weighs a step's

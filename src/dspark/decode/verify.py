@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from dspark.draft.tree import DraftTree
 from dspark.sampling import sample
 
 
@@ -74,22 +75,21 @@ def verify_tree_greedy(children: dict[int, list[int]], tokens: list[int], best: 
         path.append(node)
 
 
-def verify_tree_sampled(children: dict[int, list[int]], tokens: list[int], child_probs: dict[int, torch.Tensor],
-                        target_probs: torch.Tensor, generator: torch.Generator) -> tuple[list[int], int]:
+def verify_tree_sampled(tree: DraftTree, target_probs: torch.Tensor,
+                        generator: torch.Generator) -> tuple[list[int], int]:
     """Recursive rejection sampling down a token tree (DESIGN.md §7b): at each node the children are
     tried in draw order, child k accepted with probability min(1, p_k(x) / q_k(x)), where q_k is the
     draft distribution the child was drawn from with the earlier siblings removed (one-hot for a
     deterministic child) and p_k the target's distribution with each rejected q_j subtracted
     (p_{k+1} = norm(max(p_k - q_k, 0))); past the last child the next token is drawn from p.
     `target_probs[1 + i]` is the target's distribution after node i. Returns (accepted nodes, next token)."""
-    node, path = -1, []
+    children, node, path = tree.children(), -1, []
     while True:
         p = target_probs[node + 1]
-        rest = child_probs.get(node)
-        rest = None if rest is None else rest.clone()
+        rest = tree.draft_probs(node, p.shape[0])  # a fresh copy (None: deterministic children)
         accepted = None
         for child in children.get(node, ()):
-            x = tokens[child]
+            x = tree.tokens[child]
             if rest is None:
                 q = torch.zeros_like(p)
                 q[x] = 1.0

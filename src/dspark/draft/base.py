@@ -14,10 +14,8 @@ import dataclasses
 
 import torch
 
-from dspark.draft.tree import DraftTree, chain_tree
+from dspark.draft.tree import DraftTree, TreeLimits, chain_tree
 from dspark.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
-
-TREE_MAX_CHILDREN = 8  # children a tree node may have (DSpark trees; the budget decides how many it gets)
 
 
 @dataclasses.dataclass
@@ -60,13 +58,13 @@ class Drafter(abc.ABC):
     ) -> DraftBlock:
         """Draft up to `max_tokens` tokens following `anchor` (the last sampled, uncommitted token)."""
 
-    def propose_tree(self, anchor: int, max_depth: int, budget: int, max_children: int,
-                     params: SamplingParams, generator: torch.Generator) -> DraftTree:
-        """A token tree of up to `budget` drafts, at most `max_depth` deep (`draft/tree.py`); a drafter
-        without a tree of its own proposes its chain."""
-        if min(max_depth, budget) < 1:
+    def propose_tree(self, anchor: int, limits: TreeLimits, params: SamplingParams,
+                     generator: torch.Generator) -> DraftTree:
+        """A token tree within `limits` (`draft/tree.py`); a drafter without a tree of its own proposes
+        its chain."""
+        if min(limits.depth, limits.nodes) < 1:
             return DraftTree([], [])
-        block = self.propose(anchor, min(max_depth, budget), params, generator)
+        block = self.propose(anchor, min(limits.depth, limits.nodes), params, generator)
         return chain_tree(block.tokens, block.probs)
 
 
@@ -135,9 +133,9 @@ class PerRequestDrafters(BatchDrafter):
         return [self.drafters[r].propose(a, n, p, g) if n > 0 else None
                 for r, a, n, p, g in zip(rows, anchors, budgets, params, generators)]
 
-    def propose_tree(self, row: int, anchor: int, max_depth: int, budget: int, params: SamplingParams,
+    def propose_tree(self, row: int, anchor: int, limits: TreeLimits, params: SamplingParams,
                      generator: torch.Generator) -> DraftTree:
-        return self.drafters[row].propose_tree(anchor, max_depth, budget, TREE_MAX_CHILDREN, params, generator)
+        return self.drafters[row].propose_tree(anchor, limits, params, generator)
 
     def observe(self, row, tokens, taps):
         self.drafters[row].observe(tokens, taps)

@@ -12,6 +12,7 @@ read from the target (inference), never stored in the module.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -22,7 +23,7 @@ from dspark.draft.base import DraftBlock, token_picker
 from dspark.draft.config import DraftConfig
 from dspark.draft.heads import ConfidenceHead, SequentialHead
 from dspark.draft.layers import DraftLayer, DraftModelBase, ModelDrafter, RMSNorm
-from dspark.draft.tree import DraftTree, grow_tree
+from dspark.draft.tree import DraftTree, TreeLimits, grow_tree
 from dspark.model.target import Target
 from dspark.sampling import SamplingParams
 
@@ -223,11 +224,11 @@ class DSparkDrafter(ModelDrafter):
             # the vanilla head's u is W1[prev] itself: an fp32 table spares a conversion per slot
             self._w1 = head.markov_w1.weight.detach().float() if head.kind == "vanilla" else head.markov_w1.weight
 
-    def propose_tree(self, anchor: int, max_depth: int, budget: int, max_children: int, params: SamplingParams,
+    def propose_tree(self, anchor: int, limits: TreeLimits, params: SamplingParams,
                      generator: torch.Generator) -> DraftTree:
-        """Up to `budget` nodes at most `max_depth` deep, from one backbone pass: block slot d gives the
-        children of every node at depth d, the Markov head conditioning each on its parent's token."""
-        h, base = self.block_outputs(anchor, min(self.num_draft_tokens, max_depth))
+        """A tree within `limits` from one backbone pass: block slot d gives the children of every node
+        at depth d, the Markov head conditioning each on its parent's token."""
+        h, base = self.block_outputs(anchor, min(self.num_draft_tokens, limits.depth))
         head = self.model.markov_head
         if head is not None:
             self._inference_tables()
@@ -239,11 +240,9 @@ class DSparkDrafter(ModelDrafter):
                                  if state is not None else head.initial_state(h[:1]))
             return markov_logits(base[depth : depth + 1], u, self._w2t)[0], state
 
-        tree, probs = grow_tree(expand, anchor, budget, h.shape[0], max_children, params, generator,
-                                lambda i: self.vocab_head.tokens([i])[0])
-        if not params.greedy and probs:
-            full = self.vocab_head.full_probs(torch.stack(list(probs.values())))
-            tree.child_probs = dict(zip(probs, full))
+        limits = dataclasses.replace(limits, depth=h.shape[0])
+        tree = grow_tree(expand, anchor, limits, params, generator, lambda i: self.vocab_head.tokens([i])[0])
+        tree.vocab = self.vocab_head.ids
         return tree
 
     def propose(self, anchor: int, max_tokens: int, params: SamplingParams, generator: torch.Generator) -> DraftBlock:

@@ -28,12 +28,18 @@ from dspark.sampling import SamplingParams, probs_from_logits
 class DraftTree:
     tokens: list[int]  # node i's token (target ids)
     parents: list[int]  # node i's parent; -1 is the anchor
-    # per node with children (-1: the anchor): the draft distribution [V] its children were drawn
-    # from without replacement, in order; absent when they were chosen deterministically (greedy)
+    # per node with children (-1: the anchor): the draft distribution its children were drawn from
+    # without replacement, in order, over `vocab`; absent when they were chosen deterministically (greedy)
     child_probs: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
-    # per node, its slot's priority when it was drawn (its path's draft probability as known before the
-    # draw; non-increasing in node order); None for a tree not grown best-first
-    priorities: list[float] | None = None
+    vocab: torch.Tensor | None = None  # the target ids child_probs are over (a draft vocabulary); None: all
+
+    def draft_probs(self, node: int, vocab_size: int) -> torch.Tensor | None:
+        """A copy of the distribution node's children were drawn from, over the whole vocabulary
+        [vocab_size]; None where they were chosen deterministically."""
+        probs = self.child_probs.get(node)
+        if probs is None or self.vocab is None:
+            return None if probs is None else probs.clone()
+        return probs.new_zeros(vocab_size).index_copy_(0, self.vocab, probs)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -60,13 +66,6 @@ class DraftTree:
             node = self.parents[node]
         return out[::-1]
 
-    def prefix(self, n: int) -> DraftTree:
-        """The tree of the first n nodes (parents precede children: still a tree)."""
-        if n >= len(self):
-            return self
-        return DraftTree(self.tokens[:n], self.parents[:n], {k: v for k, v in self.child_probs.items() if k < n},
-                         None if self.priorities is None else self.priorities[:n])
-
     def attention(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(depth offsets [1 + n], visibility [1 + n, 1 + n] bool) of the verify forward's tokens
         [anchor, node 0, ..., node n-1]: each sees the anchor, its ancestors and itself."""
@@ -90,6 +89,16 @@ def chain_tree(tokens: list[int], probs: torch.Tensor | None = None) -> DraftTre
 
 # (parent node or -1, its depth, its token, its state) -> (child logits [K] fp32, the children's state)
 Expand = Callable[[int, int, int, object], tuple[torch.Tensor, object]]
+# (drafts grown so far, their gain 1 + Σ priorities, the next one's priority) -> whether to grow it
+Admit = Callable[[int, float, float], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeLimits:
+    nodes: int  # drafts at most
+    depth: int  # depth at most (a path never commits more drafts than this)
+    children: int = 8  # children per node at most
+    admit: Admit | None = None  # the verification policy's say on each next draft (None: grow to `nodes`)
 
 
 @dataclasses.dataclass
@@ -103,40 +112,41 @@ class _Node:
     child_state: object = None  # what `expand` gave for its children
 
 
-def grow_tree(expand: Expand, anchor: int, budget: int, max_depth: int, max_children: int,
-              params: SamplingParams, generator: torch.Generator | None,
-              to_token: Callable[[int], int]) -> tuple[DraftTree, dict[int, torch.Tensor]]:
-    """Best-first growth of up to `budget` nodes, `max_depth` deep, at most `max_children` per node.
+def grow_tree(expand: Expand, anchor: int, limits: TreeLimits, params: SamplingParams,
+              generator: torch.Generator | None, to_token: Callable[[int], int]) -> DraftTree:
+    """Best-first growth within `limits`: node by node in descending slot priority, stopping at the
+    first node `limits.admit` refuses (it sees only priorities known before each draw: lossless).
 
     `expand` gives a node's child logits over the draft vocabulary; `to_token` maps a draft index to a
     target id. A node is expanded only when its path score could still win a slot (its score bounds
-    its children's), so leaves cost nothing. Returns the tree and, per node with children, the
-    draft-vocabulary distribution they were drawn from (keyed like `DraftTree.child_probs`; the caller
-    maps it to the full vocabulary)."""
+    its children's), so leaves cost nothing. `child_probs` stay over the draft vocabulary (the caller
+    sets `vocab`)."""
     nodes = {-1: _Node(anchor, 1.0, None)}
-    tokens, parents, priorities, depth = [], [], [], {-1: 0}
+    tokens, parents, depth, gain = [], [], {-1: 0}, 1.0
     heap: list[tuple[float, int, int]] = [(-1.0, -1, -1)]  # (-priority, node, slot); slot -1: not expanded yet
-    while heap and len(tokens) < budget:
+    while heap and len(tokens) < limits.nodes:
         neg_priority, n, slot = heapq.heappop(heap)
         if neg_priority >= 0:  # only impossible candidates remain
             break
         node = nodes[n]
         if slot < 0:
-            _expand(node, expand(n, depth[n], node.token, node.state), max_children, params, generator)
+            _expand(node, expand(n, depth[n], node.token, node.state), limits.children, params, generator)
             heapq.heappush(heap, (-node.score * node.sorted_probs[0], n, 0))
             continue
+        if limits.admit is not None and not limits.admit(len(tokens), gain, -neg_priority):
+            break
+        gain -= neg_priority
         index = node.order[slot]
         child = len(tokens)
         tokens.append(to_token(index))
         parents.append(n)
-        priorities.append(-neg_priority)
         depth[child] = depth[n] + 1
         if slot + 1 < len(node.order):
             heapq.heappush(heap, (-node.score * node.sorted_probs[slot + 1], n, slot + 1))
-        if depth[child] < max_depth:
+        if depth[child] < limits.depth:
             nodes[child] = _Node(tokens[child], node.score * float(node.probs[index]), node.child_state)
             heapq.heappush(heap, (-nodes[child].score, child, -1))
-    return DraftTree(tokens, parents, priorities=priorities), {n: nodes[n].probs for n in sorted(set(parents))}
+    return DraftTree(tokens, parents, {n: nodes[n].probs for n in sorted(set(parents))} if not params.greedy else {})
 
 
 def _expand(node: _Node, expanded: tuple[torch.Tensor, object], max_children: int, params: SamplingParams,

@@ -3,8 +3,10 @@ AOTInductor and loaded in about a second.
 
 `StepGraph` is transformer.py's bf16 forward (the same numerics: RMSNorm as one fp32 scale per row with
 its weight folded into the next projection, RoPE on interleaved pairs) written for `torch.export`: one
-sequence, ROWS tokens at positions `pos`, each layer writing its K/V into that layer's buffer by
-position and attending to the whole buffer under a causal mask. Inductor compiles it with the weights
+sequence, ROWS tokens at positions `pos`, each layer writing its K/V into that layer's buffer at the
+tokens' slots and attending to the buffer in two parts merged as one softmax: the far context through
+SDPA, and each token's last ROWS positions gathered along its own path (a chain's rows, or a tree
+token's ancestors, wherever their K/V sit). Inductor compiles it with the weights
 frozen in (`freezing`) and its C++ GEMM templates (`max_autotune`, CPP backend: AMX / AVX512 / AVX2
 micro-kernels generated for these shapes), so ~120 projections and ~1,000 small eager ops become one
 call. `HeadGraph` is the LM head, compiled the same way.
@@ -14,7 +16,9 @@ the last, which compute the same K/V for the same position) over the request's w
 single-request decoder sizes it to prompt + max tokens). So a token's logits do not depend on how many
 tokens share its forward or where the window ends: the same kernels, blocking and reduction order run
 for plain decoding and for verification, and at temperature 0 speculative decoding is token-identical
-to plain decoding in this mode (tests/test_compiled.py). Inductor picks a GEMM's blocking from its row
+to plain decoding in this mode (tests/test_compiled.py). The path-gathered near part makes this hold
+for trees too: a token deep in a tree attends to the same K/V in the same order as when decoded alone,
+where one SDPA over the window would sum them in slot order, which a tree scatters. Inductor picks a GEMM's blocking from its row
 count (and oneDNN and the SDPA kernel from theirs and the attended length), so a step with dynamic
 shapes was measured not to be: logits moved by up to 2-30 between 1- and 16-token forwards on random
 tokens. The price is a ROWS-token forward for every plain step, which the flat cost curve makes small.

@@ -169,10 +169,7 @@ class Policy:
     drafts = True  # False: the engine never drafts (plain AR)
     gate: DraftGate | None = None  # decides per step whether drafting pays at all
     tree_nodes = 0  # > 0: a single request verifies a token tree of up to this many drafts
-
-    def tree_size(self, priorities: Sequence[float]) -> int:
-        """How many of a grown tree's nodes (in growth order; `priorities` their slot priorities) to verify."""
-        return len(priorities)
+    tree_admit = None  # (drafts so far, their gain, next priority) -> grow it? (None: all `tree_nodes`)
 
     def should_draft(self, requests: int) -> bool:
         return self.drafts and (self.gate is None or self.gate.should_draft(requests))
@@ -272,12 +269,11 @@ class DSparkPolicy(Policy):
 
 
 class DSparkTreePolicy(DSparkPolicy):
-    """`tree`: a single request verifies the prefix of its best-first token tree (up to `tree_nodes`
-    drafts) that maximises Θ = (1 + Σ_{i<N} s_i) · rate(N + 1) — s_i node i's slot priority, its path's
-    draft probability as known *before* the node was drawn, rate the step rate of the SPS curve with
-    the drafting pass — admitting nodes in growth order and stopping at the first that lowers Θ (the
-    prefix chosen never depends on a node's own token: lossless, DESIGN.md §7b). Rows of a batch get
-    the dspark policy's chains."""
+    """`tree`: a single request grows its best-first token tree (up to `tree_nodes` drafts) while each
+    next node raises Θ = (1 + Σ_{i<N} s_i) · rate(N + 1) — s_i node i's slot priority, its path's draft
+    probability as known *before* the node is drawn, rate the step rate of the SPS curve with the
+    drafting pass — and stops at the first that does not (what is grown never depends on a node's own
+    token: lossless, DESIGN.md §7b). Rows of a batch get the dspark policy's chains."""
 
     name = "tree"
 
@@ -299,21 +295,15 @@ class DSparkTreePolicy(DSparkPolicy):
         return self.max_nodes
 
     def should_draft(self, requests: int) -> bool:
-        """A single request always grows its tree (`tree_size` may still verify none of it): gating the
+        """A single request always grows its tree (`tree_admit` may still refuse every node): gating the
         draft pass from past steps measured slower here (AMX Xeon, compiled bf16, 9 prompts: 93 vs 105
         tok/s ungated), its estimate locking out drafting for hundreds of steps after a few poor rounds."""
         return requests == 1 or super().should_draft(requests)
 
-    def tree_size(self, priorities: Sequence[float]) -> int:
+    @property
+    def tree_admit(self):
         rate = self.rate(1)
-        best, gain, size = rate(1), 1.0, 0
-        for i, s in enumerate(priorities):
-            gain += s
-            theta = gain * rate(i + 2)
-            if theta <= best:
-                break
-            best, size = theta, i + 1
-        return size
+        return lambda n, gain, priority: (gain + priority) * rate(n + 2) > gain * rate(n + 1)
 
 
 class DSparkAsyncPolicy(DSparkPolicy):
