@@ -114,6 +114,33 @@ class BranchOracle(Drafter):
         return DraftTree(tokens, parents)
 
 
+def joint_tree_trials(seed: int, trials: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`trials` rounds of sampled two-level tree growth (V = 5, T 0.9, top-k 4, top-p 0.9, two children
+    per node) and recursive rejection sampling against a fixed two-step target: each round's first two
+    committed tokens as a * 5 + b (the second drawn from the target where a round commits one), and the
+    target's exact joint distribution of them. Module-level, so a process pool can run it."""
+    from dspark.decode.verify import verify_tree_sampled
+    from dspark.draft.tree import TreeLimits, grow_tree
+    from dspark.sampling import probs_from_logits
+
+    torch.set_num_threads(1)
+    V, params = 5, SamplingParams(temperature=0.9, top_k=4, top_p=0.9)
+    torch.manual_seed(0)  # the same toy drafter and target in every process
+    d1, d2, t1, t2 = torch.randn(V), torch.randn(V, V), torch.randn(V), torch.randn(V, V)
+    p1, p2 = probs_from_logits(t1, params), probs_from_logits(t2, params)
+    g = torch.Generator().manual_seed(seed)
+    out = torch.empty(trials, dtype=torch.long)
+    for i in range(trials):
+        tree = grow_tree(lambda node, depth, token, state: ((d1 if depth == 0 else d2[token]), None), 0,
+                         TreeLimits(5, 2, 2), params, g, lambda j: j)
+        path, nxt = verify_tree_sampled(tree, torch.stack([p1] + [p2[x] for x in tree.tokens]), g)
+        committed = [tree.tokens[n] for n in path] + [nxt]
+        if len(committed) == 1:
+            committed.append(int(torch.multinomial(p2[committed[0]], 1, generator=g)))
+        out[i] = committed[0] * V + committed[1]
+    return out, (p1[:, None] * p2).flatten()
+
+
 def _random_drafter(cfg, target, seed: int, std: float, draft_vocab: list[int] | None = None):
     """Init `cfg`'s model with weights large enough that every part visibly matters (the default
     0.02 init makes the heads near no-ops), perturb the norms, and wrap it for inference.

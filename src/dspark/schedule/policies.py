@@ -351,7 +351,7 @@ def parse_policy(spec: str, sps: SPSTable | None = None) -> Policy:
         if name == "tree" and arg:
             return TreePolicy(int(arg))
     except ValueError:
-        raise DsparkError(f"bad policy {spec!r}: fixed:K and tree:N need an integer, threshold:C a number") from None
+        raise DsparkError(f"bad policy {spec!r}: fixed:K and tree:N need an integer, threshold:C needs a number") from None
     if name in ("dspark", "dspark-async", "tree") and not arg:
         if sps is None:
             raise DsparkError(f"policy {spec} needs an SPS table (run `dspark profile`)")

@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from dspark.errors import DsparkError
+from dspark.model.compiled import COMPILED_VERSION
 from dspark.model.target import Target
 from dspark.model.transformer import RUNNER_VERSION
 from dspark.sampling import SamplingParams
@@ -51,7 +52,7 @@ def profile_key(target: Target, max_tokens: int, context: int) -> dict:
         "model": str(target.path),
         "dtype": target.model.precision,
         "runner": RUNNER_VERSION,  # a faster runner makes older profiles wrong
-        "compiled": target.model.compiled is not None,
+        "compiled": COMPILED_VERSION if target.model.compiled is not None else False,  # a new graph, a new curve
         "threads": torch.get_num_threads(),
         "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else _machine(),
         "max_tokens": max_tokens,
