@@ -114,6 +114,11 @@ class BranchOracle(Drafter):
         return DraftTree(tokens, parents)
 
 
+def toy_expand(first: torch.Tensor, second: torch.Tensor | None):
+    """A two-level toy drafter for `grow_tree`: logits `first` after the anchor, `second[x]` after token x."""
+    return lambda node, depth, token, state: ((first if depth == 0 else second[token]), None)
+
+
 def joint_tree_trials(seed: int, trials: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`trials` rounds of sampled two-level tree growth (V = 5, T 0.9, top-k 4, top-p 0.9, two children
     per node) and recursive rejection sampling against a fixed two-step target: each round's first two
@@ -131,8 +136,7 @@ def joint_tree_trials(seed: int, trials: int) -> tuple[torch.Tensor, torch.Tenso
     g = torch.Generator().manual_seed(seed)
     out = torch.empty(trials, dtype=torch.long)
     for i in range(trials):
-        tree = grow_tree(lambda node, depth, token, state: ((d1 if depth == 0 else d2[token]), None), 0,
-                         TreeLimits(5, 2, 2), params, g, lambda j: j)
+        tree = grow_tree(toy_expand(d1, d2), 0, TreeLimits(5, 2, 2), params, g, lambda j: j)
         path, nxt = verify_tree_sampled(tree, torch.stack([p1] + [p2[x] for x in tree.tokens]), g)
         committed = [tree.tokens[n] for n in path] + [nxt]
         if len(committed) == 1:

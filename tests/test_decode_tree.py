@@ -10,6 +10,7 @@ from helpers import (
     make_random_eagle3,
     make_tiny_hf_model,
     tokens_tv,
+    toy_expand,
 )
 
 from dspark.decode.generate import Decoder
@@ -29,11 +30,6 @@ TRIALS = 200_000
 def tiny(tmp_path_factory):
     model_dir = make_tiny_hf_model("llama", tmp_path_factory.mktemp("tree") / "m")
     return load_target(model_dir, dtype=torch.float32, require_tokenizer=False)
-
-
-def toy_expand(first: torch.Tensor, second: torch.Tensor):
-    """A two-level toy drafter: logits `first` after the anchor, `second[x]` after token x."""
-    return lambda node, depth, token, state: ((first if depth == 0 else second[token]), None)
 
 
 # ---- growth ---------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import dataclasses
 import time
 from typing import Callable, Iterable
 
-from dspark.decode.step import DecodeStep, Round, draft_budget
+from dspark.decode.step import DecodeStep, Round, draft_budget, drafts_per_round
 from dspark.decode.stopping import StopChecker
 from dspark.draft.base import Drafter, PerRequestDrafters
 from dspark.errors import DsparkError
@@ -109,7 +109,7 @@ class Decoder:
             new_tokens=n_new,
             rounds=len(rounds),
             tau=(n_new - 1) / len(rounds) if rounds else 0.0,
-            drafts_per_round=sum(r.computed for r in rounds) / len(rounds) if rounds else 0.0,
+            drafts_per_round=drafts_per_round(rounds),
             prefill_s=prefill_s,
             decode_s=decode_s,
             decode_tok_s=(n_new - 1) / decode_s if rounds else 0.0,

@@ -44,6 +44,11 @@ class Round:
         return self.verified if self.nodes is None else self.nodes
 
 
+def drafts_per_round(rounds: list[Round]) -> float:
+    """Draft tokens the target verified per round (a tree's nodes, a chain's verified drafts)."""
+    return sum(r.computed for r in rounds) / len(rounds) if rounds else 0.0
+
+
 @dataclasses.dataclass
 class Row:
     """A request in flight in cache row `index`; `anchor` is its last sampled token, not yet cached."""

@@ -20,7 +20,7 @@ from dspark.decode.speculation import (
     resolve_drafter_spec,
     split_spec,
 )
-from dspark.decode.step import Round
+from dspark.decode.step import Round, drafts_per_round
 from dspark.draft import vocab
 from dspark.errors import DsparkError
 from dspark.eval import metrics
@@ -198,7 +198,7 @@ def _run_record(name, ds, temp, a: RunAccumulator, ar: RunAccumulator, drafter) 
         "tau": metrics.tau(a.rounds),
         "cond_accept": metrics.conditional_acceptance(a.rounds, positions),
         "verify_efficiency": metrics.verify_efficiency(a.rounds),
-        "drafts_per_round": metrics.drafts_per_round(a.rounds),
+        "drafts_per_round": drafts_per_round(a.rounds),
         "decode_tok_s": a.tok_s,
         "ar_decode_tok_s": ar.tok_s,
         "speedup": a.tok_s / ar.tok_s if ar.tok_s else 0.0,
@@ -238,8 +238,9 @@ def _macro(name, temp, rows: list[dict]) -> dict:
                                        for k in ("ece", "auc", "brier")}
     coverage = [r["vocab_coverage"] for r in rows if r["vocab_coverage"] is not None]
     return {"drafter": name, "dataset": "macro", "temperature": temp, "prompts": sum(r["prompts"] for r in rows),
-            "vocab_coverage": statistics.fmean(coverage) if coverage else None, "tau": mean("tau"), "cond_accept": cond, "verify_efficiency": mean("verify_efficiency"),
-            "drafts_per_round": mean("drafts_per_round"), "decode_tok_s": mean("decode_tok_s"), "ar_decode_tok_s": mean("ar_decode_tok_s"),
+            "vocab_coverage": statistics.fmean(coverage) if coverage else None, "tau": mean("tau"), "cond_accept": cond,
+            "verify_efficiency": mean("verify_efficiency"), "drafts_per_round": mean("drafts_per_round"),
+            "decode_tok_s": mean("decode_tok_s"), "ar_decode_tok_s": mean("ar_decode_tok_s"),
             "speedup": mean("speedup"), "round_cost": mean("round_cost"), "calibration": calibration}
 
 

@@ -26,11 +26,6 @@ def verify_efficiency(rounds: Sequence[Round]) -> float:
     return sum(r.accepted + 1 for r in rounds) / verified if verified else 0.0
 
 
-def drafts_per_round(rounds: Sequence[Round]) -> float:
-    """Draft tokens the target verified per round (a tree's nodes, a chain's verified drafts)."""
-    return sum(r.computed for r in rounds) / len(rounds) if rounds else 0.0
-
-
 def conditional_acceptance(rounds: Sequence[Round], positions: int) -> list[float | None]:
     """P(draft k accepted | drafts 0..k-1 accepted), over rounds that verified position k."""
     out = []

@@ -17,9 +17,9 @@ single-request decoder sizes it to prompt + max tokens). So a token's logits do 
 tokens share its forward or where the window ends: the same kernels, blocking and reduction order run
 for plain decoding and for verification, and at temperature 0 speculative decoding is token-identical
 to plain decoding in this mode (tests/test_compiled.py). The path-gathered near part makes this hold
-for trees too: a token deep in a tree attends to the same K/V in the same order as when decoded alone,
-where one SDPA over the window would sum them in slot order, which a tree scatters. Inductor picks a GEMM's blocking from its row
-count (and oneDNN and the SDPA kernel from theirs and the attended length), so a step with dynamic
+for trees too: a token deep in a tree attends to the same K/V in the same order as when decoded
+alone, where one SDPA over the window would sum them in slot order, which a tree scatters. Inductor
+picks a GEMM's blocking from its row count (and oneDNN and the SDPA kernel from theirs and the attended length), so a step with dynamic
 shapes was measured not to be: logits moved by up to 2-30 between 1- and 16-token forwards on random
 tokens. The price is a ROWS-token forward for every plain step, which the flat cost curve makes small.
 
@@ -217,8 +217,7 @@ def compile_runner(model, model_dir: Path, weights: str = "bf16", say=print, row
     kv = [torch.zeros(2 * c.num_key_value_heads, example_width, c.head_dim, dtype=torch.bfloat16)
           for _ in range(c.num_hidden_layers)]
     ids, pos = torch.zeros(rows, dtype=torch.long), torch.arange(example_width - rows, example_width)
-    path_slots, on_path = near_slots(example_width - rows, torch.arange(rows), torch.ones(rows, rows).tril().bool(),
-                                     rows)
+    path_slots, on_path = near_slots(example_width - rows, *chain_layout(rows), rows)
     started = time.perf_counter()
     with torch.no_grad():
         say("exporting the decode step and the LM head (torch.export)")
@@ -264,7 +263,7 @@ class CompiledRunner:
         taps [1, q, m, H] or None); a chain, or the tree `tree` (TargetModel.forward's). The q tokens
         are padded to `rows` with copies of the last (see the module docstring)."""
         q = input_ids.shape[1]
-        depth, visible = (torch.arange(q), torch.ones(q, q).tril().bool()) if tree is None else tree
+        depth, visible = chain_layout(q) if tree is None else tree
         ids, pos = _padded(input_ids[0], self.rows), start + _padded(depth, self.rows)
         slots = torch.arange(start, start + self.rows).clamp_(max=start + q - 1)
         path_slots, on_path = (_padded(t, self.rows) for t in near_slots(start, depth, visible, self.rows))
@@ -284,6 +283,11 @@ class CompiledRunner:
             return None
         logits = self.head(_padded(rows, self.rows))
         return logits[:n].view(*hidden.shape[:-1], -1)
+
+
+def chain_layout(q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(depth, visibility) of q tokens in a chain, as a tree's (`DraftTree.attention`): each sees those before."""
+    return torch.arange(q), torch.ones(q, q, dtype=torch.bool).tril()
 
 
 def near_slots(start: int, depth: torch.Tensor, visible: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

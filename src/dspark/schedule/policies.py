@@ -277,9 +277,9 @@ class DSparkTreePolicy(DSparkPolicy):
 
     name = "tree"
 
-    def __init__(self, sps: SPSTable, max_nodes: int = 64):
+    def __init__(self, sps: SPSTable):
         super().__init__(sps)
-        self.max_nodes = max(1, min(max_nodes, sps.max_tokens - 1))
+        self.max_nodes = max(1, sps.max_tokens - 1)  # the profiled curve's reach
 
     @property
     def tree_nodes(self) -> int:
