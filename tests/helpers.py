@@ -121,9 +121,11 @@ def toy_expand(first: torch.Tensor, second: torch.Tensor | None):
 
 def joint_tree_trials(seed: int, trials: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`trials` rounds of sampled two-level tree growth (V = 5, T 0.9, top-k 4, top-p 0.9, two children
-    per node) and recursive rejection sampling against a fixed two-step target: each round's first two
-    committed tokens as a * 5 + b (the second drawn from the target where a round commits one), and the
-    target's exact joint distribution of them. Module-level, so a process pool can run it."""
+    per node, six nodes, a given two-token branch 3 -> 2 as prompt lookup brings: both the drafter's
+    favourites, the second one the target never takes) and recursive rejection sampling against a
+    fixed two-step target: each round's first two committed tokens as a * 5 + b (the second drawn
+    from the target where a round commits one), and the target's exact joint distribution of them.
+    Module-level, so a process pool can run it."""
     from dspark.decode.verify import verify_tree_sampled
     from dspark.draft.tree import TreeLimits, grow_tree
     from dspark.sampling import probs_from_logits
@@ -136,7 +138,7 @@ def joint_tree_trials(seed: int, trials: int) -> tuple[torch.Tensor, torch.Tenso
     g = torch.Generator().manual_seed(seed)
     out = torch.empty(trials, dtype=torch.long)
     for i in range(trials):
-        tree = grow_tree(toy_expand(d1, d2), 0, TreeLimits(5, 2, 2), params, g, lambda j: j)
+        tree = grow_tree(toy_expand(d1, d2), 0, TreeLimits(6, 2, 2), params, g, branch=[(3, 0.6), (2, 0.5)])
         path, nxt = verify_tree_sampled(tree, torch.stack([p1] + [p2[x] for x in tree.tokens]), g)
         committed = [tree.tokens[n] for n in path] + [nxt]
         if len(committed) == 1:

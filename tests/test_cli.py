@@ -93,7 +93,8 @@ def test_draft_init_then_generate_with_it_matches_plain_greedy(tmp_path):
 
 
 def test_default_drafter_is_the_shipped_one_and_lossless():
-    """No --drafter on the embedded model: the bundled, trained DSpark drafter; greedy output equals AR's."""
+    """No --drafter on the embedded model: the bundled, trained DSpark drafter (trees with prompt-lookup
+    branches); greedy output equals AR's."""
     from dspark.draft.registry import BUNDLED_DIR
 
     outs = {}
@@ -104,7 +105,7 @@ def test_default_drafter_is_the_shipped_one_and_lossless():
                     "--max-new-tokens", "48", "--dtype", "float32", *extra)
         assert r.returncode == 0, r.stderr
         outs[drafter] = r
-    assert "drafters/smollm2-135m-instruct@tree" in outs[None].stderr, outs[None].stderr
+    assert "drafters/smollm2-135m-instruct+lookup@tree" in outs[None].stderr, outs[None].stderr
     assert len({r.stdout for r in outs.values()}) == 1  # the same greedy text whatever drafts
     stats = outs[full].stderr  # every block verified in full: τ shows the drafter is trained
     tau = float(stats.split("tau ")[1].split()[0])

@@ -35,20 +35,20 @@ def test_greedy_speculative_equals_plain_greedy(smollm2_fp32, greedy_reference, 
 
 def test_greedy_tree_decoding_with_the_shipped_drafter_equals_plain_greedy(smollm2_fp32, greedy_reference):
     """Token trees (tree:16) from the shipped DSpark drafter, its Markov head conditioning every child on
-    its parent: token-identical to plain greedy on the real model, and more tokens per round than
-    its chain."""
+    its parent, alone and with prompt-lookup branches: token-identical to plain greedy on the real
+    model, and more tokens per round than its chain."""
     from dspark.decode.speculation import load_speculation
 
     taus = {}
-    for rule in ("full", "tree:16"):
-        _, drafter, policy = load_speculation(f"auto@{rule}", smollm2_fp32)
-        spec, rounds, tokens = Decoder(smollm2_fp32, drafter, policy), 0, 0
+    for spec in ("auto@full", "auto@tree:16", "auto+lookup@tree:16"):
+        _, drafter, policy = load_speculation(spec, smollm2_fp32)
+        decoder, rounds, tokens = Decoder(smollm2_fp32, drafter, policy), 0, 0
         for prompt, want in zip(PROMPTS[::2], greedy_reference[::2]):
-            result = spec.generate(smollm2_fp32.encode_prompt(prompt), 64)
-            assert result.token_ids == want, f"{rule} diverged on prompt {prompt[:60]!r}"
+            result = decoder.generate(smollm2_fp32.encode_prompt(prompt), 64)
+            assert result.token_ids == want, f"{spec} diverged on prompt {prompt[:60]!r}"
             rounds, tokens = rounds + result.stats.rounds, tokens + result.stats.new_tokens - 1
-        taus[rule] = tokens / rounds
-    assert taus["tree:16"] > taus["full"] > 1.2, taus
+        taus[spec] = tokens / rounds
+    assert taus["auto+lookup@tree:16"] >= taus["auto@tree:16"] > taus["auto@full"] > 1.2, taus
 
 
 def test_stop_string_eos_and_budget_end_generation_identically(smollm2_fp32):

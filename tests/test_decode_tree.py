@@ -17,6 +17,7 @@ from dspark.decode.generate import Decoder
 from dspark.decode.step import DecodeStep
 from dspark.decode.verify import verify_tree_greedy, verify_tree_sampled
 from dspark.draft.base import PerRequestDrafters
+from dspark.draft.hybrid import LookupBranchDrafter
 from dspark.draft.prompt_lookup import PromptLookupDrafter
 from dspark.draft.tree import DraftTree, TreeLimits, grow_tree
 from dspark.model.loading import load_target
@@ -36,7 +37,7 @@ def tiny(tmp_path_factory):
 def test_greedy_growth_is_best_first_by_path_probability():
     first = torch.tensor([2.0, 1.5, 0.0, -3.0]).log_softmax(-1)
     second = torch.tensor([[0.0, 3.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0] * 4])
-    tree = grow_tree(toy_expand(first, second), 9, TreeLimits(4, 2, 3), SamplingParams(), None, lambda i: i)
+    tree = grow_tree(toy_expand(first, second), 9, TreeLimits(4, 2, 3), SamplingParams(), None)
     # p(0) = .57, then p(0 -> 1) = .57 * .87 = .50, p(1) = .35, then p(1 -> 0) = .35 * .25 = .09 > p(2) = .08
     assert tree.tokens[:3] == [0, 1, 1] and tree.parents == [-1, 0, -1, 2]
     assert tree.depths() == [1, 2, 1, 2] and tree.path(3) == [2, 3]
@@ -49,8 +50,7 @@ def test_growth_respects_budget_depth_and_fan_out():
     torch.manual_seed(0)
     first, second = torch.randn(16), torch.randn(16, 16)
     for params in (SamplingParams(), SamplingParams(temperature=1.0, top_k=5)):
-        tree = grow_tree(toy_expand(first, second), 0, TreeLimits(12, 2, 3), params, torch.Generator().manual_seed(1),
-                         lambda i: i)
+        tree = grow_tree(toy_expand(first, second), 0, TreeLimits(12, 2, 3), params, torch.Generator().manual_seed(1))
         probs = tree.child_probs
         assert len(tree) == 12 and max(tree.depths()) == 2
         kids = tree.children()
@@ -59,6 +59,27 @@ def test_growth_respects_budget_depth_and_fan_out():
         assert set(probs) == (set() if params.greedy else set(kids))
         if not params.greedy:  # sampled children come from the top-k support only
             assert all(float(probs[n][tree.tokens[c]]) > 0 for n, cs in kids.items() for c in cs)
+
+
+def test_a_given_branch_is_the_first_path_and_drawn_siblings_avoid_it():
+    """Prompt lookup's continuation enters as deterministic first children with its survival estimates
+    as priorities; the drafter's children beside it never repeat its token; it is cut at the depth."""
+    first, second = torch.tensor([3.0, 2.0, 0.0, -1.0]), torch.zeros(4, 4)
+    second[2, 1] = 4.0
+    vocab = torch.tensor([10, 11, 12, 13])  # a draft vocabulary: draft index i is target token 10 + i
+
+    def expand(node, depth, token, state):
+        return (first if depth == 0 else second[token - 10] if token in (10, 11, 12, 13) else first), None
+
+    for params, g in ((SamplingParams(), None), (SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))):
+        tree = grow_tree(expand, 0, TreeLimits(6, 2, 3), params, g, vocab, branch=[(12, 0.9), (11, 0.9), (13, 0.9)])
+        assert tree.tokens[:2] == [12, 11] and tree.parents[:2] == [-1, 0] and tree.given == {0, 1}
+        assert max(tree.depths()) == 2  # the branch's third token is past the depth limit
+        for siblings in tree.children().values():
+            assert len({tree.tokens[c] for c in siblings}) == len(siblings)
+        assert all(tree.depths()[n] == 1 or tree.parents[n] in (0, *range(2, 6)) for n in range(len(tree)))
+    outside = grow_tree(expand, 0, TreeLimits(3, 2, 2), SamplingParams(), None, vocab, branch=[(99, 0.95)])  # a token outside the draft vocabulary still leads
+    assert outside.tokens == [99, 10, 10] and outside.parents == [-1, -1, 0]
 
 
 # ---- verification ---------------------------------------------------------------------------------
@@ -71,9 +92,10 @@ def test_greedy_walk_follows_the_argmax_through_any_branch():
 
 def test_sampled_tree_keeps_the_joint_distribution_of_two_tokens():
     """Recursive rejection sampling down a two-level tree (siblings drawn without replacement at both
-    levels, children conditioned on their parent, top-k and top-p on both sides): the first two
-    committed tokens follow the target's joint distribution (the second drawn from the target where a
-    round commits one). The trials run in two processes (the CI machine's two cores)."""
+    levels, children conditioned on their parent, top-k and top-p on both sides, a given prompt-lookup
+    branch whose tokens lead their siblings): the first two committed tokens follow the target's joint
+    distribution (the second drawn from the target where a round commits one). The trials run in two
+    processes (the CI machine's two cores)."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
@@ -102,6 +124,8 @@ DRAFTERS = {
     "dflash": lambda t: make_random_dspark(t, "none", block_size=4, std=0.3, confidence=False),
     "eagle3": lambda t: make_random_eagle3(t, block_size=4),
     "prompt-lookup": lambda t: PromptLookupDrafter(4),
+    "dspark+lookup": lambda t: LookupBranchDrafter(make_random_dspark(t, "vanilla", block_size=4, std=0.3)),
+    "eagle3+lookup": lambda t: LookupBranchDrafter(make_random_eagle3(t, block_size=4)),
 }
 
 
@@ -154,7 +178,7 @@ def test_the_hardware_picks_the_tree_size():
 
     def grown(policy):
         limits = TreeLimits(policy.tree_nodes, 1, 8, policy.tree_admit)
-        return len(grow_tree(toy_expand(first, None), 0, limits, SamplingParams(), None, lambda i: i))
+        return len(grow_tree(toy_expand(first, None), 0, limits, SamplingParams(), None))
 
     assert grown(flat) == 6
     # SPS 100, 66.7, 50: Θ = 100, (1 + .64) * 66.7 = 109, then (1.64 + .23) * 50 = 94 stops

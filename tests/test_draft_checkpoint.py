@@ -221,6 +221,16 @@ def test_auto_picks_the_bundled_drafter_of_the_target_else_prompt_lookup(tiny, t
     assert speculation.resolve_drafter_spec("auto@full", qwen3) == f"{bundled}@full"
     assert speculation.resolve_drafter_spec("auto@threshold:0.4", qwen3) == f"{bundled}@threshold:0.4"
     assert speculation.resolve_drafter_spec("auto@full", llama) == "prompt-lookup"
+    # one request at a time, a bare auto grows trees with prompt-lookup branches; +lookup defaults to tree
+    assert speculation.resolve_drafter_spec("auto", qwen3, speculation.SINGLE_REQUEST_AUTO) == f"{bundled}+lookup@tree"
+    assert speculation.resolve_drafter_spec("auto+lookup", qwen3) == f"{bundled}+lookup@tree"
+    assert speculation.resolve_drafter_spec("auto+lookup@tree:4", qwen3) == f"{bundled}+lookup@tree:4"
+    assert type(load_drafter(f"{bundled}+lookup@tree", qwen3)).__name__ == "LookupBranchDrafter"
+    for bad, why in (("prompt-lookup+lookup", "model drafter"), (f"{bundled}+lookup@full", "@tree")):
+        with pytest.raises(DsparkError, match=why):
+            speculation.load_speculation(bad, qwen3)
+    with pytest.raises(DsparkError, match="batched engine verifies chains"):
+        speculation.engine_factory(qwen3, f"{bundled}+lookup")
     speculation.check_drafter_spec("auto@full")
     with pytest.raises(DsparkError, match="unknown verification rule"):
         speculation.check_drafter_spec("auto@fast")

@@ -22,9 +22,10 @@ def add_parsers(sub) -> None:
         "the report counts generations by CPU flags).",
     )
     ev.add_argument("--drafter", action="append", required=True,
-                    help="auto | prompt-lookup | PATH, each optionally @POLICY (repeatable; auto = the bundled drafter "
-                    "of the target with the tree policy, auto@full = the same verifying every draft; a PATH alone "
-                    f"verifies every draft). POLICY: {POLICIES}")
+                    help="auto | prompt-lookup | PATH, auto and PATH optionally +lookup, each optionally @POLICY "
+                    "(repeatable; auto = the bundled drafter of the target with prompt-lookup branches in its trees "
+                    "and the tree policy, auto@full = the drafter alone verifying every draft; a PATH alone "
+                    f"verifies every draft, PATH+lookup a tree). POLICY: {POLICIES}")
     ev.add_argument("--dataset", action="append", default=None,
                     help="JSONL with {\"turns\": [...]} per line, or the name of a bundled set (gsm8k, humaneval, "
                     "math500, mbpp, mt-bench) (repeatable; default: the five bundled sets)")

@@ -35,9 +35,11 @@ def add_parsers(sub) -> None:
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     target_args(g, threads=True)
     g.add_argument("--drafter", default="auto",
-                   help="auto | none | prompt-lookup | PATH to a drafter checkpoint, each optionally @POLICY (the "
-                   "same as --policy POLICY). Default auto: the DSpark drafter dspark ships for the target (the "
-                   "embedded SmolLM2) with the tree policy, else prompt-lookup")
+                   help="auto | none | prompt-lookup | PATH to a drafter checkpoint (auto and PATH optionally "
+                   "+lookup: prompt-lookup branches in each token tree), each optionally @POLICY (the same as "
+                   "--policy POLICY). Default auto: the DSpark drafter dspark ships for the target (the embedded "
+                   "SmolLM2) with prompt-lookup branches and the tree policy (auto@POLICY: without the branches), "
+                   "else prompt-lookup")
     g.add_argument("--policy", default=None, metavar="POLICY",
                    help=f"how many drafts of each round the target verifies: {POLICIES}. full = every draft (the "
                    "default for a PATH); tree = a token tree grown best-first, as many of its drafts as raise "
@@ -63,7 +65,7 @@ def _prompt_ids(text: str) -> list[int]:
 
 def cmd_generate(args) -> int:
     from dspark.decode.generate import Decoder
-    from dspark.decode.speculation import SINGLE_REQUEST_RULE, check_drafter_spec, load_speculation, with_policy
+    from dspark.decode.speculation import SINGLE_REQUEST_AUTO, check_drafter_spec, load_speculation, with_policy
     from dspark.decode.streaming import TextStreamer
     from dspark.model.loading import parse_dtype
     from dspark.sampling import SamplingParams
@@ -83,7 +85,7 @@ def cmd_generate(args) -> int:
                           f"{'--stop needs one' if prompt_ids is not None else 'pass the prompt as token ids with --prompt-ids'}")
     drafter_spec, drafter, policy = load_speculation(
         spec, target, args.num_draft_tokens, args.confidence_threshold,
-        auto_rule="full" if args.confidence_threshold is not None else SINGLE_REQUEST_RULE)
+        auto="@full" if args.confidence_threshold is not None else SINGLE_REQUEST_AUTO)
     if prompt_ids is None:
         prompt_ids = target.encode_prompt(args.prompt, chat=not args.raw)
     else:

@@ -1,10 +1,12 @@
 """What a `--drafter` / `--policy` value names -> (drafter, verification policy, engine), for every command.
 
 One grammar: `DRAFTER[@POLICY]`, DRAFTER = auto | none | prompt-lookup | PATH to a checkpoint directory,
-POLICY = ar | full | fixed:K | threshold:C | tree | tree:N | dspark | dspark-async (`schedule/policies.py`); `--policy
-POLICY` says the same apart. `auto` is the drafter dspark ships for the target (else prompt lookup) with
-the `tree` policy in `generate` / `eval` and `dspark` in `serve`. A path alone verifies every draft (`full`)
-in `generate` / `eval`, and `serve` defaults to `dspark`.
+auto and PATH optionally `+lookup` (prompt-lookup branches in their trees: tree policies only, `tree` by
+default), POLICY = ar | full | fixed:K | threshold:C | tree | tree:N | dspark | dspark-async
+(`schedule/policies.py`); `--policy POLICY` says the same apart. `auto` is the drafter dspark ships for
+the target (else prompt lookup): alone, with prompt-lookup branches under the `tree` policy in
+`generate` / `eval` and with `dspark` in `serve`; `auto@POLICY` is it with POLICY. A path alone verifies
+every draft (`full`) in `generate` / `eval`, and `serve` defaults to `dspark`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dspark.decode.engine import Engine
 from dspark.draft.base import Drafter
 from dspark.draft.checkpoint import wrap_drafter
 from dspark.draft.dspark import DSparkModel
+from dspark.draft.hybrid import SUFFIX, LookupBranchDrafter
 from dspark.draft.layers import ModelDrafter
 from dspark.draft.prompt_lookup import PromptLookupDrafter
 from dspark.draft.registry import MODEL_FREE, bundled_drafter, checkpoint_digest, load_named_drafter
@@ -24,10 +27,12 @@ from dspark.model.target import Target
 from dspark.schedule.policies import POLICIES, POLICY_NAMES, DSparkPolicy, Policy, SPSTable, parse_policy
 from dspark.schedule.sps import load_or_measure, load_or_measure_draft_cost
 
-DRAFTER_CHOICES = "auto | none | prompt-lookup | PATH to a drafter checkpoint directory, each optionally @POLICY"
+DRAFTER_CHOICES = ("auto | none | prompt-lookup | PATH to a drafter checkpoint directory (auto and PATH optionally "
+                   "+lookup), each optionally @POLICY")
 ENGINE_PROMPT_LOOKUP_DRAFTS = 8  # drafts per row of the batched engine's prompt-lookup drafter
 TREE_MAX_TOKENS = 33  # the SPS curve `tree` reads: trees of up to 32 drafts
-SINGLE_REQUEST_RULE = "tree"  # what `auto` verifies one request at a time (generate, eval): the hardware's tree
+# what `auto` is one request at a time (generate, eval): the hardware's tree with prompt-lookup branches
+SINGLE_REQUEST_AUTO = SUFFIX + "@tree"
 EngineFactory = Callable[[Policy, int], Engine]  # (policy, max_batch) -> Engine
 
 
@@ -45,10 +50,11 @@ def check_policy(rule: str, where: str = "") -> tuple[str, str]:
 
 
 def split_spec(spec: str, default: str = "full") -> tuple[str, str]:
-    """`DRAFTER@POLICY` -> (DRAFTER, POLICY), POLICY `default` when not given. A path containing `@` is a path."""
+    """`DRAFTER@POLICY` -> (DRAFTER, POLICY), POLICY `default` when not given (`tree` for a path with
+    prompt-lookup branches: `PATH+lookup`). A path containing `@` is a path."""
     base, sep, rule = spec.rpartition("@")
     if not sep or Path(spec).exists():
-        return spec, default
+        return spec, "tree" if spec.endswith(SUFFIX) and not spec.startswith("auto") else default
     check_policy(rule, f" in {spec!r}")
     return base, rule
 
@@ -69,25 +75,30 @@ def with_policy(spec: str, policy: str | None) -> str:
 
 def check_drafter_spec(spec: str | None) -> None:
     """Fail early (before a model loads) on a --drafter value that names nothing."""
-    if spec in (None, "auto", *MODEL_FREE):
+    if spec in (None, "auto", *MODEL_FREE) or Path(spec).exists():
         return
     base, _ = split_spec(spec)
-    if base in ("auto", "prompt-lookup") and not Path(spec).exists():
-        return
-    if not Path(base).expanduser().exists():
+    name = base.removesuffix(SUFFIX)
+    if name != base and name in MODEL_FREE:
+        raise DsparkError(f"drafter {spec!r}: `{SUFFIX}` adds prompt-lookup branches to a model drafter's trees "
+                          f"(auto{SUFFIX} or PATH{SUFFIX})")
+    if name not in ("auto", "prompt-lookup") and not Path(name).expanduser().exists():
         raise DsparkError(f"drafter {spec!r} is neither a known drafter ({DRAFTER_CHOICES}) nor an existing path")
 
 
-def resolve_drafter_spec(spec: str | None, target: Target, rule: str = "dspark") -> str | None:
-    """`auto` becomes the bundled drafter of `target` with policy `rule` (default: the hardware-aware
-    one, `PATH@dspark`), `auto@POLICY` the same with POLICY; prompt-lookup when dspark ships none."""
-    if spec is None or not (spec == "auto" or spec.startswith("auto@")) or Path(spec).exists():
+def resolve_drafter_spec(spec: str | None, target: Target, auto: str = "@dspark") -> str | None:
+    """`auto` becomes the bundled drafter of `target` + `auto` (default: the hardware-aware chain rule,
+    `PATH@dspark`; one request at a time `SINGLE_REQUEST_AUTO`), `auto@POLICY` `PATH@POLICY`,
+    `auto+lookup[@POLICY]` `PATH+lookup@POLICY` (tree when not given); prompt-lookup when dspark ships none."""
+    if spec is None or Path(spec).exists():
         return spec
-    if spec != "auto":
-        rule = spec.removeprefix("auto@")
-        check_policy(rule, f" in {spec!r}")
+    base, rule = split_spec(spec, "tree")
+    if base not in ("auto", "auto" + SUFFIX):
+        return spec
     path = bundled_drafter(target)
-    return f"{path}@{rule}" if path else "prompt-lookup"
+    if path is None:
+        return "prompt-lookup"
+    return f"{path}{auto}" if spec == "auto" else f"{path}{base.removeprefix('auto')}@{rule}"
 
 
 def spec_policy(spec: str | None) -> str:
@@ -114,10 +125,10 @@ def load_drafter(spec: str | None, target: Target, num_draft_tokens: int | None 
 
 
 def load_speculation(spec: str | None, target: Target, num_draft_tokens: int | None = None,
-                     confidence_threshold: float | None = None, auto_rule: str = SINGLE_REQUEST_RULE):
+                     confidence_threshold: float | None = None, auto: str = SINGLE_REQUEST_AUTO):
     """(resolved spec, drafter or None, policy) for one request at a time (`generate`, `eval`);
-    `auto` takes `auto_rule`."""
-    spec = resolve_drafter_spec(spec, target, auto_rule)
+    a bare `auto` is the bundled drafter + `auto`."""
+    spec = resolve_drafter_spec(spec, target, auto)
     drafter = load_drafter(spec, target, num_draft_tokens)
     return spec, drafter, request_policy(spec_policy(spec), drafter, target, confidence_threshold)
 
@@ -130,6 +141,10 @@ def request_policy(rule: str, drafter: Drafter | None, target: Target,
     if drafter is None:
         return parse_policy("ar")
     name, arg = check_policy(rule)
+    if isinstance(drafter, LookupBranchDrafter):
+        if name != "tree":
+            raise DsparkError(f"`{SUFFIX}` adds branches to token trees: verify them with @tree or @tree:N, not {rule}")
+        drafter = drafter.drafter  # whose pass the policy times
     if confidence_threshold is not None:
         if name == "threshold":
             raise DsparkError(f"the rule {rule!r} already sets a threshold; drop --confidence-threshold")
@@ -163,6 +178,9 @@ def engine_factory(target: Target, drafter_spec: str | None,
         return (make(lambda: PromptLookupDrafter(ENGINE_PROMPT_LOOKUP_DRAFTS)), drafter_spec,
                 ENGINE_PROMPT_LOOKUP_DRAFTS)
     drafter = load_drafter(drafter_spec, target)
+    if isinstance(drafter, LookupBranchDrafter):
+        raise DsparkError(f"the batched engine verifies chains: `{SUFFIX}` (tree branches) works in `dspark "
+                          "generate` and `dspark eval`; serve the drafter without it")
     model = drafter.model if isinstance(drafter, ModelDrafter) else None
     if isinstance(model, DSparkModel):  # DSpark / DFlash: one batched drafting pass per step
         return make(draft_model=model, temperatures=drafter.temperatures), drafter_spec, drafter.max_drafts

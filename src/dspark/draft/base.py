@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
 from dspark.draft.tree import DraftTree, TreeLimits, chain_tree
+from dspark.errors import DsparkError
 from dspark.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
 
 
@@ -59,9 +61,11 @@ class Drafter(abc.ABC):
         """Draft up to `max_tokens` tokens following `anchor` (the last sampled, uncommitted token)."""
 
     def propose_tree(self, anchor: int, limits: TreeLimits, params: SamplingParams,
-                     generator: torch.Generator) -> DraftTree:
-        """A token tree within `limits` (`draft/tree.py`); a drafter without a tree of its own proposes
-        its chain."""
+                     generator: torch.Generator, branch: Sequence[tuple[int, float]] = ()) -> DraftTree:
+        """A token tree within `limits` (`draft/tree.py`), with `branch` as its first path when given;
+        a drafter without a tree of its own proposes its chain (and takes no branch)."""
+        if branch:
+            raise DsparkError(f"{type(self).__name__} grows no trees: it cannot take a prompt-lookup branch")
         if min(limits.depth, limits.nodes) < 1:
             return DraftTree([], [])
         block = self.propose(anchor, min(limits.depth, limits.nodes), params, generator)

@@ -13,7 +13,7 @@ read from the target (inference), never stored in the module.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -225,9 +225,9 @@ class DSparkDrafter(ModelDrafter):
             self._w1 = head.markov_w1.weight.detach().float() if head.kind == "vanilla" else head.markov_w1.weight
 
     def propose_tree(self, anchor: int, limits: TreeLimits, params: SamplingParams,
-                     generator: torch.Generator) -> DraftTree:
+                     generator: torch.Generator, branch: Sequence[tuple[int, float]] = ()) -> DraftTree:
         """A tree within `limits` from one backbone pass: block slot d gives the children of every node
-        at depth d, the Markov head conditioning each on its parent's token."""
+        at depth d, the Markov head conditioning each on its parent's token (`branch`: `grow_tree`'s)."""
         h, base = self.block_outputs(anchor, min(self.num_draft_tokens, limits.depth))
         head = self.model.markov_head
         if head is not None:
@@ -241,9 +241,7 @@ class DSparkDrafter(ModelDrafter):
             return markov_logits(base[depth : depth + 1], u, self._w2t)[0], state
 
         limits = dataclasses.replace(limits, depth=h.shape[0])
-        tree = grow_tree(expand, anchor, limits, params, generator, lambda i: self.vocab_head.tokens([i])[0])
-        tree.vocab = self.vocab_head.ids
-        return tree
+        return grow_tree(expand, anchor, limits, params, generator, self.vocab_head.ids, branch)
 
     def propose(self, anchor: int, max_tokens: int, params: SamplingParams, generator: torch.Generator) -> DraftBlock:
         h, base = self.block_outputs(anchor, min(self.num_draft_tokens, max_tokens))

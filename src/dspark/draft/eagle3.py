@@ -13,6 +13,9 @@ chain keys, exactly what inference sees after the context up to the anchor.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +23,7 @@ from torch import nn
 from dspark.draft.base import DraftBlock, token_picker
 from dspark.draft.config import DraftConfig
 from dspark.draft.layers import DraftAttention, DraftMLP, DraftModelBase, ModelDrafter, RMSNorm
+from dspark.draft.tree import DraftTree, TreeLimits, grow_tree
 from dspark.model.target import Target
 from dspark.sampling import SamplingParams
 
@@ -161,6 +165,31 @@ class Eagle3Drafter(ModelDrafter):
             ks, vs = torch.cat([ks, k], 2), torch.cat([vs, v], 2)
             feat = h[0, 0]
         return tokens, torch.cat(rows)
+
+    @torch.inference_mode()
+    def propose_tree(self, anchor: int, limits: TreeLimits, params: SamplingParams,
+                     generator: torch.Generator, branch: Sequence[tuple[int, float]] = ()) -> DraftTree:
+        """A tree within `limits` by expanding the top-k of each step: a node's children come from one
+        pair step on its parent's feature and its own token, attending to the context's pairs and its
+        ancestors' (each node's path K/V is its parent's plus its own)."""
+        if self.pending_paired:
+            raise RuntimeError("propose called twice without observe")
+        anchor_feat = self._append_pairs(self.pending[None], [anchor])[-1]
+        self.pending_paired = True
+
+        def expand(node: int, depth: int, token: int, parent):  # parent: (its feature, its path's K, V)
+            if node < 0:
+                state = (anchor_feat, self._k, self._v)
+            else:
+                feat, ks, vs = parent
+                emb = self.target.model.embed(torch.tensor([[token]])).to(self.model.dtype)
+                pos = torch.tensor([[self.length - 1 + depth]])
+                h, k, v = self.model.pair_step(feat[None, None], emb, pos, ks, vs, None)
+                state = (h[0, 0], torch.cat([ks, k], 2), torch.cat([vs, v], 2))
+            return self.vocab_head.logits(self.model.norm(state[0])[None])[0], state
+
+        limits = dataclasses.replace(limits, depth=min(limits.depth, self.num_draft_tokens))
+        return grow_tree(expand, anchor, limits, params, generator, self.vocab_head.ids, branch)
 
     def propose(self, anchor: int, max_tokens: int, params: SamplingParams, generator: torch.Generator) -> DraftBlock:
         pick, probs = token_picker(params, generator)

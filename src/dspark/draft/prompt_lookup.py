@@ -25,15 +25,18 @@ class PromptLookupDrafter(Drafter):
         self.history.extend(tokens)
 
     def propose(self, anchor: int, max_tokens: int, params: SamplingParams, generator: torch.Generator) -> DraftBlock:
+        return DraftBlock(tokens=self.continuation(anchor, min(max_tokens, self.num_draft_tokens)))
+
+    def continuation(self, anchor: int, limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the most recent earlier occurrence of the longest
+        matching suffix of the context and `anchor` (empty without a match)."""
         seq = self.history + [anchor]
-        limit = min(max_tokens, self.num_draft_tokens)
         if limit <= 0:
-            return DraftBlock(tokens=[])
+            return []
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             suffix = seq[-n:]
             # most recent earlier occurrence wins; it must leave at least one token to copy
             for start in range(len(seq) - n - 1, -1, -1):
                 if seq[start : start + n] == suffix:
-                    follow = seq[start + n : start + n + limit]
-                    return DraftBlock(tokens=follow)
-        return DraftBlock(tokens=[])
+                    return seq[start + n : start + n + limit]
+        return []

@@ -1,6 +1,7 @@
 """A drafter's name -> a Drafter for a given target: none, prompt-lookup, a checkpoint directory, or
-the trained drafter dspark ships for the target. (How a `--drafter` value also names a verification
-policy, `NAME@POLICY`, is `decode/speculation.py`'s business.)"""
+the trained drafter dspark ships for the target; a model drafter's name + `+lookup` adds prompt-lookup
+branches to its trees (`draft/hybrid.py`). (How a `--drafter` value also names a verification policy,
+`NAME@POLICY`, is `decode/speculation.py`'s business.)"""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from pathlib import Path
 from dspark.draft.base import Drafter
 from dspark.draft.checkpoint import load_drafter_checkpoint, read_config, target_mismatches
 from dspark.draft.config import DraftConfig
+from dspark.draft.hybrid import SUFFIX, LookupBranchDrafter
 from dspark.draft.prompt_lookup import PromptLookupDrafter
+from dspark.errors import DsparkError
 from dspark.model.target import Target
 
 MODEL_FREE = ("none", "prompt-lookup")  # drafter names that load no weights
@@ -28,9 +31,15 @@ def bundled_drafter(target: Target) -> Path | None:
 
 
 def load_named_drafter(name: str, target: Target, num_draft_tokens: int | None = None) -> Drafter | None:
-    """The drafter `name` names: None for `none`, prompt lookup, or a checkpoint directory's drafter."""
+    """The drafter `name` names: None for `none`, prompt lookup, a checkpoint directory's drafter, or
+    `NAME+lookup`: NAME's trees with a prompt-lookup branch."""
     if name == "none":
         return None
+    if name.endswith(SUFFIX) and not Path(name).expanduser().exists():
+        inner = load_named_drafter(name.removesuffix(SUFFIX), target, num_draft_tokens)
+        if inner is None or isinstance(inner, PromptLookupDrafter):
+            raise DsparkError(f"{name!r}: `{SUFFIX}` adds prompt-lookup branches to a model drafter's trees")
+        return LookupBranchDrafter(inner)
     if name == "prompt-lookup":
         return PromptLookupDrafter(num_draft_tokens or PROMPT_LOOKUP_DRAFTS)
     return load_drafter_checkpoint(Path(name).expanduser(), target, num_draft_tokens)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -32,6 +32,7 @@ class DraftTree:
     # without replacement, in order, over `vocab`; absent when they were chosen deterministically (greedy)
     child_probs: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     vocab: torch.Tensor | None = None  # the target ids child_probs are over (a draft vocabulary); None: all
+    given: set[int] = dataclasses.field(default_factory=set)  # nodes whose token was given, not drawn
 
     def draft_probs(self, node: int, vocab_size: int) -> torch.Tensor | None:
         """A copy of the distribution node's children were drawn from, over the whole vocabulary
@@ -104,25 +105,31 @@ class TreeLimits:
 @dataclasses.dataclass
 class _Node:
     token: int
-    score: float  # product of draft probabilities along the path
+    score: float  # product of draft probabilities (or given survivals) along the path
     state: object  # what `expand` gave its parent for it
-    order: list[int] | None = None  # once expanded: candidate indices (draft vocabulary) in draw order
-    probs: torch.Tensor | None = None  # the distribution the candidates come from [K]
-    sorted_probs: list[float] | None = None  # its largest probabilities, descending (slot priorities)
+    given: tuple[int, float, int | None] | None = None  # its given first child: token, survival, draft index
+    order: list[int] | None = None  # once expanded: children's draft indices in draw order (-1: the given one)
+    probs: torch.Tensor | None = None  # the distribution drawn children come from [K]
+    priorities: list[float] | None = None  # slot s's probability (its priority over the node's score)
     child_state: object = None  # what `expand` gave for its children
 
 
 def grow_tree(expand: Expand, anchor: int, limits: TreeLimits, params: SamplingParams,
-              generator: torch.Generator | None, to_token: Callable[[int], int]) -> DraftTree:
+              generator: torch.Generator | None, vocab: torch.Tensor | None = None,
+              branch: Sequence[tuple[int, float]] = ()) -> DraftTree:
     """Best-first growth within `limits`: node by node in descending slot priority, stopping at the
     first node `limits.admit` refuses (it sees only priorities known before each draw: lossless).
 
-    `expand` gives a node's child logits over the draft vocabulary; `to_token` maps a draft index to a
-    target id. A node is expanded only when its path score could still win a slot (its score bounds
-    its children's), so leaves cost nothing. `child_probs` stay over the draft vocabulary (the caller
-    sets `vocab`)."""
-    nodes = {-1: _Node(anchor, 1.0, None)}
-    tokens, parents, depth, gain = [], [], {-1: 0}, 1.0
+    `expand` gives a node's child logits over the draft vocabulary `vocab` (sorted target ids; None:
+    the whole vocabulary). A node is expanded only when its path score could still win a slot (its
+    score bounds its children's), so leaves cost nothing.
+
+    `branch` is a continuation given from elsewhere (prompt lookup: DESIGN.md §7b), (target token,
+    estimated survival) per token: each is its parent's first child, a deterministic one, and the
+    children drawn beside it come from the draft distribution with it removed."""
+    given = [(token, survival, _draft_index(vocab, token)) for token, survival in branch[: limits.depth]]
+    nodes = {-1: _Node(anchor, 1.0, None, given[0] if given else None)}
+    tokens, parents, from_branch, depth, gain = [], [], [], {-1: 0}, 1.0
     heap: list[tuple[float, int, int]] = [(-1.0, -1, -1)]  # (-priority, node, slot); slot -1: not expanded yet
     while heap and len(tokens) < limits.nodes:
         neg_priority, n, slot = heapq.heappop(heap)
@@ -131,34 +138,60 @@ def grow_tree(expand: Expand, anchor: int, limits: TreeLimits, params: SamplingP
         node = nodes[n]
         if slot < 0:
             _expand(node, expand(n, depth[n], node.token, node.state), limits.children, params, generator)
-            heapq.heappush(heap, (-node.score * node.sorted_probs[0], n, 0))
+            if node.priorities:
+                heapq.heappush(heap, (-node.score * node.priorities[0], n, 0))
             continue
         if limits.admit is not None and not limits.admit(len(tokens), gain, -neg_priority):
             break
         gain -= neg_priority
-        index = node.order[slot]
-        child = len(tokens)
-        tokens.append(to_token(index))
+        index, child = node.order[slot], len(tokens)
+        on_branch = index < 0
+        tokens.append(node.given[0] if on_branch else _target_id(vocab, index))
         parents.append(n)
+        from_branch.append(on_branch)
         depth[child] = depth[n] + 1
         if slot + 1 < len(node.order):
-            heapq.heappush(heap, (-node.score * node.sorted_probs[slot + 1], n, slot + 1))
+            heapq.heappush(heap, (-node.score * node.priorities[slot + 1], n, slot + 1))
         if depth[child] < limits.depth:
-            nodes[child] = _Node(tokens[child], node.score * float(node.probs[index]), node.child_state)
+            nxt = given[depth[child]] if on_branch and depth[child] < len(given) else None
+            nodes[child] = _Node(tokens[child], node.score * node.priorities[slot], node.child_state, nxt)
             heapq.heappush(heap, (-nodes[child].score, child, -1))
-    return DraftTree(tokens, parents, {n: nodes[n].probs for n in sorted(set(parents))} if not params.greedy else {})
+    child_probs = {} if params.greedy else {n: nodes[n].probs for n in sorted(set(parents))}
+    return DraftTree(tokens, parents, child_probs, vocab, {i for i, b in enumerate(from_branch) if b})
+
+
+def _draft_index(vocab: torch.Tensor | None, token: int) -> int | None:
+    """A target token's index in the draft vocabulary (None: outside it)."""
+    if vocab is None:
+        return token
+    i = int(torch.searchsorted(vocab, token))
+    return i if i < vocab.numel() and int(vocab[i]) == token else None
+
+
+def _target_id(vocab: torch.Tensor | None, index: int) -> int:
+    return index if vocab is None else int(vocab[index])
 
 
 def _expand(node: _Node, expanded: tuple[torch.Tensor, object], max_children: int, params: SamplingParams,
             generator: torch.Generator | None) -> None:
-    """A node's child distribution and candidate order: the most likely tokens when greedy, else the
-    first draws without replacement (Gumbel top-k) from the distribution the request samples from."""
+    """A node's child distribution and children order: its given child first (if any), then the most
+    likely tokens when greedy, else the first draws without replacement (Gumbel top-k) from the
+    distribution the request samples from, the given token removed."""
     logits, node.child_state = expanded
     probs = torch.softmax(logits, -1) if params.greedy else probs_from_logits(logits, params)
-    top = probs.topk(min(max_children, probs.numel()))
+    rest, order, priorities = probs, [], []
+    if node.given is not None:
+        _, survival, index = node.given
+        order.append(-1)
+        priorities.append(max(survival, float(probs[index]) if index is not None else 0.0))
+        if index is not None:
+            rest = probs.clone()
+            rest[index] = 0.0
+    k = min(max_children - len(order), int((rest > 0).sum()))
+    top = rest.topk(k)
     if params.greedy:
-        node.order = top.indices.tolist()
+        order += top.indices.tolist()
     else:
         gumbel = -torch.log(-torch.log(torch.rand(probs.shape, generator=generator).clamp_(min=1e-20)))
-        node.order = (probs.log() + gumbel).topk(top.indices.numel()).indices.tolist()
-    node.probs, node.sorted_probs = probs, top.values.tolist()
+        order += (rest.log() + gumbel).topk(k).indices.tolist()
+    node.order, node.probs, node.priorities = order, probs, priorities + top.values.tolist()

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from dspark.decode.generate import Decoder
 from dspark.decode.speculation import (
-    SINGLE_REQUEST_RULE,
+    SINGLE_REQUEST_AUTO,
     drafter_digest,
     load_speculation,
     resolve_drafter_spec,
@@ -22,6 +22,7 @@ from dspark.decode.speculation import (
 )
 from dspark.decode.step import Round, drafts_per_round
 from dspark.draft import vocab
+from dspark.draft.hybrid import SUFFIX
 from dspark.errors import DsparkError
 from dspark.eval import metrics
 from dspark.eval.prompts import load_eval_prompts
@@ -68,11 +69,12 @@ def drafter_name(spec: str) -> str:
     """Short display name: the checkpoint directory's name (its run's name for `.../final`), with
     the verification rule when it is not `full`."""
     base, rule = split_spec(spec)
-    path = Path(base)
+    plain = base.removesuffix(SUFFIX)
+    path = Path(plain)
     if not path.exists():
         return spec
     path = path.resolve()
-    name = path.parent.name if path.name in ("final", "checkpoint", "drafter") else path.name
+    name = (path.parent.name if path.name in ("final", "checkpoint", "drafter") else path.name) + base[len(plain):]
     return name if rule == "full" else f"{name}@{rule}"
 
 
@@ -95,7 +97,7 @@ def evaluate(
     report decode speed only. With `journal_path`, finished generations are kept there and a rerun
     with the same settings continues where the last one stopped."""
     prompt_sets = {Path(d).stem: load_eval_prompts(d)[:limit] for d in datasets}
-    drafter_specs = [resolve_drafter_spec(s, target, SINGLE_REQUEST_RULE) for s in drafter_specs]
+    drafter_specs = [resolve_drafter_spec(s, target, SINGLE_REQUEST_AUTO) for s in drafter_specs]
     engines, drafters = _engines(target, drafter_specs, confidence_threshold, peers or [])
     settings = {"target": str(target.path), "dtype": dtype_key(target.model), "max_new_tokens": max_new_tokens,
                 "temperatures": temperatures, "seed": seed, "confidence_threshold": confidence_threshold,
