@@ -177,13 +177,13 @@ def test_the_hardware_picks_the_tree_size():
     assert flat.tree_nodes == 8
 
     def grown(policy):
-        limits = TreeLimits(policy.tree_nodes, 1, 8, policy.tree_admit)
+        limits = TreeLimits(policy.tree_nodes, 1, 8, policy.tree_admit(1))
         return len(grow_tree(toy_expand(first, None), 0, limits, SamplingParams(), None))
 
     assert grown(flat) == 6
     # SPS 100, 66.7, 50: Θ = 100, (1 + .64) * 66.7 = 109, then (1.64 + .23) * 50 = 94 stops
     assert grown(steep) == 1
-    assert DSparkTreePolicy(SPSTable((100.0, 10.0))).tree_admit(0, 1.0, 0.9) is False
+    assert DSparkTreePolicy(SPSTable((100.0, 10.0))).tree_admit(1)(0, 1.0, 0.9) is False
 
 
 def test_greedy_decoding_with_the_hardware_chosen_tree_equals_plain_greedy(tiny):

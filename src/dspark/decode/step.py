@@ -111,8 +111,8 @@ class DecodeStep:
     @torch.inference_mode()
     def __call__(self, cache, rows: list[Row]) -> list[RowResult]:
         drafted = self.drafter is not None and self.policy.should_draft(len(rows))  # from past steps only
-        if drafted and self.policy.tree_nodes and self.drafter.grows_trees and len(rows) == 1 and rows[0].budget > 0:
-            return [self._tree_step(cache, rows[0])]
+        if drafted and self.policy.tree_nodes and len(rows) <= self.drafter.tree_rows:
+            return self._tree_step(cache, rows)
         blocks, draft_s = self._draft(rows) if drafted else ([None] * len(rows), 0.0)
         drafts = [b.tokens[: r.budget] if b else [] for b, r in zip(blocks, rows)]
         lengths = self._schedule(blocks, drafts)
@@ -135,31 +135,64 @@ class DecodeStep:
         self.verify_s += time.perf_counter() - t0
         return results
 
-    def _tree_step(self, cache, row: Row) -> RowResult:
-        """One request verifies a token tree in one target forward (DESIGN.md §7b); the accepted path's
-        K/V move into place behind the committed context, the rest of the tree is dropped."""
+    def _tree_step(self, cache, rows: list[Row]) -> list[RowResult]:
+        """Each row verifies a token tree (grown together: DESIGN.md §7b), all in one target forward;
+        the accepted paths' K/V move into place behind the committed context, the rest is dropped."""
         t0 = time.perf_counter()
-        self.drafter.catch_up([row.index])
+        self.drafter.catch_up([r.index for r in rows])
         t1 = time.perf_counter()
-        view = cache.row(row.index)
-        committed = int(view.lengths[0])
-        limits = TreeLimits(nodes=min(self.policy.tree_nodes, view.max_len - committed - 1), depth=row.budget,
-                            admit=self.policy.tree_admit)
-        tree = self.drafter.propose_tree(row.index, row.anchor, limits, row.params, row.generator)
+        committed = [int(cache.lengths[r.index]) for r in rows]
+        limits = [TreeLimits(nodes=min(self.policy.tree_nodes, cache.max_len - c - 1), depth=r.budget)
+                  for r, c in zip(rows, committed)]
+        trees = self.drafter.propose_trees([r.index for r in rows], [r.anchor for r in rows], limits,
+                                           [r.params for r in rows], [r.generator for r in rows],
+                                           self.policy.tree_admit(len(rows)))
         t2 = time.perf_counter()
-        ids = torch.tensor([[row.anchor] + tree.tokens])
-        out = self.model(ids, view, taps=self.taps, tree=tree.attention())
-        path, nxt = self._verify_tree(tree, self.model.logits(out.hidden[0]), row)
-        rows = [1 + n for n in path]  # the accepted nodes' forward rows (and cache slots past `committed`)
-        keep_path(view, committed, rows)
-        cache.lengths[row.index] = committed + 1 + len(path)
-        tokens = [tree.tokens[n] for n in path]
-        self.drafter.observe(row.index, [row.anchor] + tokens, out.taps[0, [0] + rows] if self.taps else None)
-        self.policy.record_step(1, True, 1 + len(tree), 1 + len(path), t2 - t1)
-        self.steps += 1
+        hidden, taps = self._forward_trees(cache, rows, trees)
+        results = []
+        for i, (r, tree, c) in enumerate(zip(rows, trees, committed)):
+            path, nxt = self._verify_tree(tree, self.model.logits(hidden[i, : 1 + len(tree)]), r)
+            kept = [1 + n for n in path]  # the accepted nodes' forward rows (and cache slots past `c`)
+            keep_path(cache.row(r.index), c, kept)
+            cache.lengths[r.index] = c + 1 + len(path)
+            tokens = [tree.tokens[n] for n in path]
+            self.drafter.observe(r.index, [r.anchor] + tokens, taps[i, [0] + kept] if self.taps else None)
+            results.append(RowResult(Round(max(tree.depths(), default=0), len(path), nodes=len(tree)), tokens + [nxt]))
+        self.policy.record_step(len(rows), True, sum(1 + len(t) for t in trees),
+                                sum(len(x.tokens) for x in results), t2 - t1)
         self.draft_s += t2 - t0
         self.verify_s += time.perf_counter() - t2
-        return RowResult(Round(max(tree.depths(), default=0), len(path), nodes=len(tree)), tokens + [nxt])
+        return results
+
+    def _forward_trees(self, cache, rows: list[Row], trees: list[DraftTree]):
+        """One forward of every row's [anchor, tree nodes]: (hidden [R, q, H], taps [R, q, m, H] or
+        None) in `rows` order. A lone row runs its whole cache row (the compiled runner's path); more
+        run ragged over the cache rows up to the last one in use."""
+        self.steps += 1
+        if len(rows) == 1:
+            (row,), (tree,) = rows, trees
+            out = self.model(torch.tensor([[row.anchor] + tree.tokens]), cache.row(row.index), taps=self.taps,
+                             tree=tree.attention())
+            return out.hidden, out.taps
+        B, q = 1 + max(r.index for r in rows), 1 + max(len(t) for t in trees)
+        ids = torch.zeros(B, q, dtype=torch.long)
+        num_new = torch.zeros(B, dtype=torch.long)
+        depth = torch.zeros(B, q, dtype=torch.long)
+        visible = torch.eye(q, dtype=torch.bool).repeat(B, 1, 1)  # padding sees itself only
+        for r, tree in zip(rows, trees):
+            n = 1 + len(tree)
+            ids[r.index, :n] = torch.tensor([r.anchor] + tree.tokens)
+            num_new[r.index] = n
+            depth[r.index, :n], visible[r.index, :n, :n] = tree.attention()
+        idle = torch.ones(cache.batch_size, dtype=torch.bool)
+        idle[[r.index for r in rows]] = False
+        cache.lengths[idle] = 0
+        view = cache.rows(0, B) if B < cache.batch_size else cache
+        out = self.model(ids, view, num_new=num_new, taps=self.taps, tree=(depth, visible))
+        if view is not cache:
+            cache.lengths[:B] = view.lengths
+        index = torch.tensor([r.index for r in rows])
+        return out.hidden[index], out.taps[index] if self.taps else None
 
     @staticmethod
     def _verify_tree(tree: DraftTree, logits: torch.Tensor, row: Row) -> tuple[list[int], int]:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dspark.draft.tree import DraftTree, TreeLimits, chain_tree
+from dspark.draft.tree import Admit, DraftTree, TreeLimits, chain_tree
 from dspark.errors import DsparkError
 from dspark.sampling import SamplingParams, argmax_rows, probs_from_logits, sample
 
@@ -94,7 +94,7 @@ class BatchDrafter(abc.ABC):
     tap_layers: tuple[int, ...] = ()
     max_drafts: int = 8
     temperatures: list[float] | None = None
-    grows_trees = False  # whether `propose_tree` works (a single request's tree rounds)
+    tree_rows = 0  # how many rows one step may grow token trees for (`propose_trees`; 0: none)
 
     @abc.abstractmethod
     def start(self, row: int, prompt_ids: list[int], taps: torch.Tensor | None) -> None:
@@ -109,6 +109,12 @@ class BatchDrafter(abc.ABC):
     def observe(self, row: int, tokens: list[int], taps: torch.Tensor | None) -> None:
         """`tokens` of `row` were committed (the anchor and its accepted drafts)."""
 
+    def propose_trees(self, rows: list[int], anchors: list[int], limits: list[TreeLimits],
+                      params: list[SamplingParams], generators: list[torch.Generator],
+                      admit: Admit | None) -> list[DraftTree]:
+        """A token tree per row within its `limits`, grown while `admit` (over all rows' drafts) says so."""
+        raise NotImplementedError(f"{type(self).__name__} grows no trees")
+
     def catch_up(self, rows: list[int]) -> None:  # noqa: B027 (a no-op unless the drafter defers work)
         """Do the work `observe` deferred for `rows` (a lazy drafter's context K/V), before `propose`.
         Timed apart: it is owed to the tokens committed earlier, not to this step's drafts."""
@@ -117,7 +123,7 @@ class BatchDrafter(abc.ABC):
 class PerRequestDrafters(BatchDrafter):
     """One `Drafter` per row, made by `make_drafter` when a request takes the row."""
 
-    grows_trees = True
+    tree_rows = 1  # a lone request's drafter grows its tree (a batch's rows verify chains)
 
     def __init__(self, make_drafter):
         self.make_drafter = make_drafter
@@ -137,9 +143,9 @@ class PerRequestDrafters(BatchDrafter):
         return [self.drafters[r].propose(a, n, p, g) if n > 0 else None
                 for r, a, n, p, g in zip(rows, anchors, budgets, params, generators)]
 
-    def propose_tree(self, row: int, anchor: int, limits: TreeLimits, params: SamplingParams,
-                     generator: torch.Generator) -> DraftTree:
-        return self.drafters[row].propose_tree(anchor, limits, params, generator)
+    def propose_trees(self, rows, anchors, limits, params, generators, admit):
+        (row,), (anchor,), (lim,), (p,), (g,) = rows, anchors, limits, params, generators
+        return [self.drafters[row].propose_tree(anchor, dataclasses.replace(lim, admit=admit), p, g)]
 
     def observe(self, row, tokens, taps):
         self.drafters[row].observe(tokens, taps)

@@ -7,10 +7,13 @@ slot's committed context (masked to the slot's length) and bidirectionally to it
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from dspark.draft.base import BatchDrafter, DraftBlock
-from dspark.draft.dspark import DSparkModel, markov_logits, markov_w2t
+from dspark.draft.dspark import DSparkModel, markov_logits, markov_w1, markov_w2t, tree_expand
+from dspark.draft.tree import DraftTree, TreeGrowth, TreeLimits, grow_forest
 from dspark.draft.vocab import DraftHead
 from dspark.model.kernels import fast_linears
 from dspark.model.target import Target
@@ -25,6 +28,7 @@ class BatchedDSparkDrafter(BatchDrafter):
         self.target = target
         self.cfg = model.cfg
         self.block_size = self.max_drafts = model.cfg.block_size
+        self.tree_rows = slots  # every row of a step grows its tree in the same pass
         self.tap_layers = tuple(model.cfg.target_layer_ids)
         attn = model.layers[0].self_attn
         shape = (slots, attn.nkv, max_len, attn.hd)
@@ -36,6 +40,7 @@ class BatchedDSparkDrafter(BatchDrafter):
         self.temperatures = temperatures
         head = model.markov_head
         self._w2t = markov_w2t(head) if head is not None else None
+        self._w1 = markov_w1(head) if head is not None else None
         self.vocab_head = DraftHead(model.draft_ids, target)  # LM head over the draft vocabulary
 
     def start(self, row, prompt_ids, taps) -> None:
@@ -74,18 +79,7 @@ class BatchedDSparkDrafter(BatchDrafter):
         if not rows:
             return out
         m, g = self.model, self.block_size
-        sl = [slots[i] for i in rows]
-        self.catch_up(sl)
-        lens = torch.tensor([self.lengths[s] for s in sl])
-        ctx = int(lens.max())
-        ids = torch.tensor([[anchors[i]] + [self.cfg.mask_token_id] * (g - 1) for i in rows])
-        pos = lens[:, None] + torch.arange(g)
-        index = torch.tensor(sl)
-        ctx_kv = [(k[index, :, :ctx], v[index, :, :ctx]) for k, v in zip(self.k, self.v)]
-        sees_ctx = (torch.arange(ctx)[None, :] < lens[:, None])[:, None, :].expand(-1, g, -1)
-        mask = torch.cat([sees_ctx, torch.ones(len(rows), g, g, dtype=torch.bool)], dim=-1)[:, None]
-        h = m.block_hidden(self.target.model.embed(ids), pos, ctx_kv, mask)  # [R, γ, H]
-        base = self.vocab_head.logits(h)  # [R, γ, K]
+        h, base = self._block_pass([slots[i] for i in rows], [anchors[i] for i in rows])
 
         R = len(rows)
         tokens = torch.zeros(R, g, dtype=torch.long)  # draft-vocabulary indices
@@ -125,3 +119,33 @@ class BatchedDSparkDrafter(BatchDrafter):
                                 self.vocab_head.full_probs(torch.stack(probs[j][:n])) if probs[j] else None,
                                 None if conf is None else conf[j, :n])
         return out
+
+    @torch.inference_mode()
+    def propose_trees(self, slots: list[int], anchors: list[int], limits: list[TreeLimits],
+                      params: list[SamplingParams], generators: list[torch.Generator], admit) -> list[DraftTree]:
+        """One backbone + LM-head pass over every row's block, then the rows' trees grown together,
+        best-first across rows while `admit` says so (`grow_forest`)."""
+        h, base = self._block_pass(slots, anchors)
+        head = self.model.markov_head
+        tables = (self._w1, self._w2t) if head is not None else None
+        growths = [TreeGrowth(tree_expand(head, h[j], base[j], tables), anchors[j],
+                              dataclasses.replace(lim, depth=min(lim.depth, self.block_size)), params[j],
+                              generators[j], self.vocab_head.ids)
+                   for j, lim in enumerate(limits)]
+        return grow_forest(growths, admit)
+
+    def _block_pass(self, slots: list[int], anchors: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states [R, γ, H] and base logits [R, γ, K] of the blocks [anchor, MASK x (γ-1)] of
+        `slots`, each attending to its slot's committed context and bidirectionally to itself."""
+        g = self.block_size
+        self.catch_up(slots)
+        lens = torch.tensor([self.lengths[s] for s in slots])
+        ctx = int(lens.max())
+        ids = torch.tensor([[a] + [self.cfg.mask_token_id] * (g - 1) for a in anchors])
+        pos = lens[:, None] + torch.arange(g)
+        index = torch.tensor(slots)
+        ctx_kv = [(k[index, :, :ctx], v[index, :, :ctx]) for k, v in zip(self.k, self.v)]
+        sees_ctx = (torch.arange(ctx)[None, :] < lens[:, None])[:, None, :].expand(-1, g, -1)
+        mask = torch.cat([sees_ctx, torch.ones(len(slots), g, g, dtype=torch.bool)], dim=-1)[:, None]
+        h = self.model.block_hidden(self.target.model.embed(ids), pos, ctx_kv, mask)  # [R, γ, H]
+        return h, self.vocab_head.logits(h)

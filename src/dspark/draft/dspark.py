@@ -23,7 +23,7 @@ from dspark.draft.base import DraftBlock, token_picker
 from dspark.draft.config import DraftConfig
 from dspark.draft.heads import ConfidenceHead, SequentialHead
 from dspark.draft.layers import DraftLayer, DraftModelBase, ModelDrafter, RMSNorm
-from dspark.draft.tree import DraftTree, TreeLimits, grow_tree
+from dspark.draft.tree import DraftTree, Expand, TreeLimits, grow_tree
 from dspark.model.target import Target
 from dspark.sampling import SamplingParams
 
@@ -138,6 +138,28 @@ def markov_logits(base: torch.Tensor, u: torch.Tensor, w2t: torch.Tensor,
     return torch.addmm(base, u if u.dtype == torch.float32 else u.float(), w2t, out=out)
 
 
+def markov_w1(head: SequentialHead) -> torch.Tensor:
+    """W1 for inference lookups: the vanilla head's u is W1[prev] itself, and an fp32 table spares a
+    conversion per slot."""
+    return head.markov_w1.weight.detach().float() if head.kind == "vanilla" else head.markov_w1.weight
+
+
+def tree_expand(head: SequentialHead | None, h: torch.Tensor, base: torch.Tensor,
+                tables: tuple[torch.Tensor, torch.Tensor] | None) -> Expand:
+    """`grow_tree`'s expand over one block pass (h [slots, H], base logits [slots, K]): block slot d
+    gives the children of every node at depth d, the Markov head conditioning them on the node's
+    token (its state carried down the path); DFlash (no head): U_d. `tables`: (`markov_w1`, `markov_w2t`)."""
+    def expand(node: int, depth: int, token: int, state):
+        if head is None:
+            return base[depth], None
+        w1, w2t = tables
+        u, state = head.step(h[depth : depth + 1], w1[token : token + 1],
+                             state if state is not None else head.initial_state(h[:1]))
+        return markov_logits(base[depth : depth + 1], u, w2t)[0], state
+
+    return expand
+
+
 class DSparkDrafter(ModelDrafter):
     """Inference wrapper: incremental context KV cache + the semi-autoregressive sampling loop."""
 
@@ -219,27 +241,16 @@ class DSparkDrafter(ModelDrafter):
 
     def _inference_tables(self) -> None:
         if self._w2t is None:
-            head = self.model.markov_head
-            self._w2t = markov_w2t(head)
-            # the vanilla head's u is W1[prev] itself: an fp32 table spares a conversion per slot
-            self._w1 = head.markov_w1.weight.detach().float() if head.kind == "vanilla" else head.markov_w1.weight
+            self._w2t, self._w1 = markov_w2t(self.model.markov_head), markov_w1(self.model.markov_head)
 
     def propose_tree(self, anchor: int, limits: TreeLimits, params: SamplingParams,
                      generator: torch.Generator, branch: Sequence[tuple[int, float]] = ()) -> DraftTree:
-        """A tree within `limits` from one backbone pass: block slot d gives the children of every node
-        at depth d, the Markov head conditioning each on its parent's token (`branch`: `grow_tree`'s)."""
+        """A tree within `limits` from one backbone pass (`tree_expand`; `branch`: `grow_tree`'s)."""
         h, base = self.block_outputs(anchor, min(self.num_draft_tokens, limits.depth))
         head = self.model.markov_head
         if head is not None:
             self._inference_tables()
-
-        def expand(node: int, depth: int, token: int, state):
-            if head is None:
-                return base[depth], None
-            u, state = head.step(h[depth : depth + 1], self._w1[token : token + 1], state
-                                 if state is not None else head.initial_state(h[:1]))
-            return markov_logits(base[depth : depth + 1], u, self._w2t)[0], state
-
+        expand = tree_expand(head, h, base, (self._w1, self._w2t) if head is not None else None)
         limits = dataclasses.replace(limits, depth=h.shape[0])
         return grow_tree(expand, anchor, limits, params, generator, self.vocab_head.ids, branch)
 

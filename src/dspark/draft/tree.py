@@ -114,50 +114,96 @@ class _Node:
     child_state: object = None  # what `expand` gave for its children
 
 
-def grow_tree(expand: Expand, anchor: int, limits: TreeLimits, params: SamplingParams,
-              generator: torch.Generator | None, vocab: torch.Tensor | None = None,
-              branch: Sequence[tuple[int, float]] = ()) -> DraftTree:
-    """Best-first growth within `limits`: node by node in descending slot priority, stopping at the
-    first node `limits.admit` refuses (it sees only priorities known before each draw: lossless).
+class TreeGrowth:
+    """One tree's best-first growth, a slot at a time: `next_priority()` then `take()` while wanted.
 
-    `expand` gives a node's child logits over the draft vocabulary `vocab` (sorted target ids; None:
-    the whole vocabulary). A node is expanded only when its path score could still win a slot (its
-    score bounds its children's), so leaves cost nothing.
+    Slots are taken in descending priority; whether to take the next one is the caller's, from
+    priorities known before each draw (lossless). `expand` gives a node's child logits over the draft
+    vocabulary `vocab` (sorted target ids; None: the whole vocabulary). A node is expanded only when
+    its path score could still win a slot (its score bounds its children's), so leaves cost nothing.
 
     `branch` is a continuation given from elsewhere (prompt lookup: DESIGN.md §7b), (target token,
     estimated survival) per token: each is its parent's first child, a deterministic one, and the
     children drawn beside it come from the draft distribution with it removed."""
-    given = [(token, survival, _draft_index(vocab, token)) for token, survival in branch[: limits.depth]]
-    nodes = {-1: _Node(anchor, 1.0, None, given[0] if given else None)}
-    tokens, parents, from_branch, depth, gain = [], [], [], {-1: 0}, 1.0
-    heap: list[tuple[float, int, int]] = [(-1.0, -1, -1)]  # (-priority, node, slot); slot -1: not expanded yet
-    while heap and len(tokens) < limits.nodes:
-        neg_priority, n, slot = heapq.heappop(heap)
-        if neg_priority >= 0:  # only impossible candidates remain
-            break
-        node = nodes[n]
-        if slot < 0:
-            _expand(node, expand(n, depth[n], node.token, node.state), limits.children, params, generator)
+
+    def __init__(self, expand: Expand, anchor: int, limits: TreeLimits, params: SamplingParams,
+                 generator: torch.Generator | None, vocab: torch.Tensor | None = None,
+                 branch: Sequence[tuple[int, float]] = ()):
+        self.expand, self.limits, self.params, self.generator, self.vocab = expand, limits, params, generator, vocab
+        self.given = [(token, survival, _draft_index(vocab, token)) for token, survival in branch[: limits.depth]]
+        self.nodes = {-1: _Node(anchor, 1.0, None, self.given[0] if self.given else None)}
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.from_branch: list[bool] = []
+        self.depth = {-1: 0}
+        self.gain = 1.0  # expected tokens the tree commits: 1 + the priorities taken
+        # (-priority, node, slot); slot -1: a node to expand
+        self.heap: list[tuple[float, int, int]] = [(-1.0, -1, -1)] if min(limits.nodes, limits.depth) > 0 else []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def next_priority(self) -> float:
+        """The next slot's priority (0: none left within the limits), expanding the nodes that could win it."""
+        while self.heap and len(self.tokens) < self.limits.nodes:
+            neg_priority, n, slot = self.heap[0]
+            if neg_priority >= 0 or slot >= 0:  # 0: only impossible candidates remain
+                return -neg_priority
+            heapq.heappop(self.heap)
+            node = self.nodes[n]
+            _expand(node, self.expand(n, self.depth[n], node.token, node.state), self.limits.children,
+                    self.params, self.generator)
             if node.priorities:
-                heapq.heappush(heap, (-node.score * node.priorities[0], n, 0))
-            continue
-        if limits.admit is not None and not limits.admit(len(tokens), gain, -neg_priority):
-            break
-        gain -= neg_priority
-        index, child = node.order[slot], len(tokens)
+                heapq.heappush(self.heap, (-node.score * node.priorities[0], n, 0))
+        return 0.0
+
+    def take(self) -> None:
+        """Add the slot `next_priority` gave as the next node."""
+        neg_priority, n, slot = heapq.heappop(self.heap)
+        node, child = self.nodes[n], len(self.tokens)
+        self.gain -= neg_priority
+        index = node.order[slot]
         on_branch = index < 0
-        tokens.append(node.given[0] if on_branch else _target_id(vocab, index))
-        parents.append(n)
-        from_branch.append(on_branch)
-        depth[child] = depth[n] + 1
+        self.tokens.append(node.given[0] if on_branch else _target_id(self.vocab, index))
+        self.parents.append(n)
+        self.from_branch.append(on_branch)
+        depth = self.depth[child] = self.depth[n] + 1
         if slot + 1 < len(node.order):
-            heapq.heappush(heap, (-node.score * node.priorities[slot + 1], n, slot + 1))
-        if depth[child] < limits.depth:
-            nxt = given[depth[child]] if on_branch and depth[child] < len(given) else None
-            nodes[child] = _Node(tokens[child], node.score * node.priorities[slot], node.child_state, nxt)
-            heapq.heappush(heap, (-nodes[child].score, child, -1))
-    child_probs = {} if params.greedy else {n: nodes[n].probs for n in sorted(set(parents))}
-    return DraftTree(tokens, parents, child_probs, vocab, {i for i, b in enumerate(from_branch) if b})
+            heapq.heappush(self.heap, (-node.score * node.priorities[slot + 1], n, slot + 1))
+        if depth < self.limits.depth:
+            nxt = self.given[depth] if on_branch and depth < len(self.given) else None
+            self.nodes[child] = _Node(self.tokens[child], node.score * node.priorities[slot], node.child_state, nxt)
+            heapq.heappush(self.heap, (-self.nodes[child].score, child, -1))
+
+    def tree(self) -> DraftTree:
+        child_probs = {} if self.params.greedy else {n: self.nodes[n].probs for n in sorted(set(self.parents))}
+        return DraftTree(self.tokens, self.parents, child_probs, self.vocab,
+                         {i for i, b in enumerate(self.from_branch) if b})
+
+
+def grow_tree(expand: Expand, anchor: int, limits: TreeLimits, params: SamplingParams,
+              generator: torch.Generator | None, vocab: torch.Tensor | None = None,
+              branch: Sequence[tuple[int, float]] = ()) -> DraftTree:
+    """A tree grown best-first within `limits` (`TreeGrowth`), stopping at the first node
+    `limits.admit` refuses."""
+    growth = TreeGrowth(expand, anchor, limits, params, generator, vocab, branch)
+    while (priority := growth.next_priority()) > 0:
+        if limits.admit is not None and not limits.admit(len(growth), growth.gain, priority):
+            break
+        growth.take()
+    return growth.tree()
+
+
+def grow_forest(growths: list[TreeGrowth], admit: Admit | None) -> list[DraftTree]:
+    """The trees of a batch's rows grown together, best-first across rows: the slot of highest
+    priority in any row next, while `admit(drafts of all rows, their total gain, priority)` says so
+    (a batch's verify cost is its total tokens; None: each row grows to its limits)."""
+    while True:
+        priority, best = max(((g.next_priority(), i) for i, g in enumerate(growths)), default=(0.0, -1))
+        if priority <= 0 or admit is not None and not admit(sum(map(len, growths)), sum(g.gain for g in growths),
+                                                            priority):
+            return [g.tree() for g in growths]
+        growths[best].take()
 
 
 def _draft_index(vocab: torch.Tensor | None, token: int) -> int | None:

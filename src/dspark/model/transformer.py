@@ -312,9 +312,10 @@ class TargetModel(nn.Module):
         right-padded and `num_new[b]` says how many of the q tokens are real; the cache then grows
         by `num_new[b]` for row b. Only real tokens are computed (packed, see `TokenLayout`): padding
         costs nothing in the projections and writes no K/V; its outputs are zeros.
-        `tree` (one row): (depth offsets [q], visibility [q, q] bool) of a token tree — token i sits at
-        position `lengths + depth[i]`, its K/V in slot `lengths + i`, and sees the context and the
-        new tokens `visibility[i]` marks (DSpark's tree verification, `draft/tree.py`).
+        `tree`: (depth offsets [q], visibility [q, q] bool) of one row's token tree, or [B, q] and
+        [B, q, q] of each row's — row b's token i sits at position `lengths[b] + depth[b, i]`, its K/V
+        in slot `lengths[b] + i`, and sees its row's context and the new tokens `visibility[b, i]` marks
+        (DSpark's tree verification, `draft/tree.py`).
         """
         if self._kernels is None:
             self.prepare(pack=False)
@@ -325,8 +326,8 @@ class TargetModel(nn.Module):
         if kv_len > cache.max_len:
             raise DsparkError(f"sequence of {kv_len} tokens exceeds the context window of {cache.max_len}")
         whole_row = B == 1 and (num_new is None or int(num_new[0]) == q)
-        if tree is not None and not whole_row:
-            raise DsparkError("a token tree is verified in one row of one request")
+        if tree is not None and tree[0].ndim == 1 and not whole_row:
+            raise DsparkError("a one-row token tree (depth [q]) is verified in one whole row; give [B, q] for a batch")
         if self.compiled is not None and whole_row and self.compiled.covers(q, cache.max_len):
             hidden, taps_out = self.compiled.forward(input_ids, cache.kv, int(start[0]), taps, tree)
             cache.lengths = end
@@ -375,16 +376,18 @@ class TokenLayout:
     def __init__(self, start: torch.Tensor, num_new: torch.Tensor | None, q: int, depth: torch.Tensor | None = None):
         """`num_new` None: every row brings all q tokens. `depth` [q]: a tree's position offsets
         (default 0..q-1); K/V slots stay `start + 0..q-1`."""
-        self.B, self.q = start.shape[0], q
+        self.B, self.q, self.start = start.shape[0], q, start
         steps = torch.arange(q, device=start.device)
-        self.grid_pos = start[:, None] + (steps if depth is None else depth.to(start.device))[None, :]  # [B, q]
+        offsets = steps[None, :] if depth is None else depth.to(start.device).view(-1, q)
+        self.grid_pos = start[:, None] + offsets  # [B, q]
         self.index = None if num_new is None or bool((num_new == q).all()) else (
             (steps[None, :] < num_new[:, None]).flatten().nonzero().squeeze(1))  # [N] in B * q
-        self.pos = self.grid_pos.flatten() if self.index is None else self.grid_pos.flatten()[self.index]
+        self.pos = self.pack(self.grid_pos)
         self.single_start = int(start[0]) if self.B == 1 and self.index is None else None
-        if self.single_start is None:  # where `write` scatters each token's K / V
+        if self.single_start is None:  # where `write` scatters each token's K / V: row b's token i to start[b] + i
             self.rows = (torch.arange(self.B, device=start.device).repeat_interleave(q) if self.index is None
                          else self.index // q)
+            self.slots = self.pack(start[:, None] + steps[None, :])
 
     def pack(self, grid: torch.Tensor) -> torch.Tensor:
         """[B, q, ...] -> [N, ...]."""
@@ -400,12 +403,19 @@ class TokenLayout:
         return packed.view(self.B, self.q, *packed.shape[1:])
 
     def mask(self, kv_len: int, visible: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, 1, q, kv_len] bool: each grid token sees its row's positions up to its own; with a
-        tree's `visible` [q, q] (one row), the context and the new tokens it marks."""
-        if visible is not None:
+        """[B, 1, q, kv_len] bool: each grid token sees its row's positions up to its own; with trees'
+        `visible` ([q, q] of one whole row, or [B, q, q]), its row's context and the new tokens marked."""
+        keys = torch.arange(kv_len, device=self.pos.device)
+        if visible is None:
+            return (keys[None, None, :] <= self.grid_pos[:, :, None])[:, None]
+        visible = visible.to(self.pos.device)
+        if visible.ndim == 2:
             start = kv_len - self.q
-            return torch.cat([visible.new_ones(self.q, start), visible.to(self.pos.device)], dim=1)[None, None]
-        return (torch.arange(kv_len, device=self.pos.device)[None, None, :] <= self.grid_pos[:, :, None])[:, None]
+            return torch.cat([visible.new_ones(self.q, start), visible], dim=1)[None, None]
+        rel = keys[None, :] - self.start[:, None]  # [B, kv_len]: a key's index among its row's new tokens
+        new = visible.gather(2, rel.clamp(0, self.q - 1)[:, None, :].expand(-1, self.q, -1))
+        new &= ((rel >= 0) & (rel < self.q))[:, None, :]
+        return (new | (rel < 0)[:, None, :])[:, None]
 
     def write(self, kvc: torch.Tensor, kv_new: torch.Tensor) -> None:
         """One layer's new keys and values [N, 2 * kv_heads, hd] into its cache kvc [B, 2 * kv_heads, L, hd]."""
@@ -413,7 +423,7 @@ class TokenLayout:
             s = self.single_start
             kvc[0, :, s : s + self.q] = kv_new.transpose(0, 1)
         else:  # advanced-index assignment: CPU scatter_ has no fast bf16 kernel (~200x slower)
-            kvc[self.rows, :, self.pos] = kv_new
+            kvc[self.rows, :, self.slots] = kv_new
 
 
 @dataclasses.dataclass

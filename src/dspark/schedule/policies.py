@@ -168,8 +168,12 @@ class Policy:
     needs_survivals = True
     drafts = True  # False: the engine never drafts (plain AR)
     gate: DraftGate | None = None  # decides per step whether drafting pays at all
-    tree_nodes = 0  # > 0: a single request verifies a token tree of up to this many drafts
-    tree_admit = None  # (drafts so far, their gain, next priority) -> grow it? (None: all `tree_nodes`)
+    tree_nodes = 0  # > 0: each row verifies a token tree of up to this many drafts
+
+    def tree_admit(self, rows: int) -> Callable[[int, float, float], bool] | None:
+        """For a step of `rows` rows growing their trees together: (drafts of all rows so far, their
+        total gain, the next one's priority) -> grow it? None: every row grows `tree_nodes`."""
+        return None
 
     def should_draft(self, requests: int) -> bool:
         return self.drafts and (self.gate is None or self.gate.should_draft(requests))
@@ -220,8 +224,8 @@ class FixedPolicy(Policy):
 
 
 class TreePolicy(Policy):
-    """Verify a token tree of up to `nodes` drafts grown best-first (`tree:N`, DESIGN.md §7b) for a single
-    request; rows of a batch verify their whole chains (`full`) instead."""
+    """Verify a token tree of up to `nodes` drafts grown best-first per row (`tree:N`, DESIGN.md §7b);
+    rows whose drafter grows no trees verify their whole chains (`full`)."""
 
     needs_survivals = False
 
@@ -269,11 +273,13 @@ class DSparkPolicy(Policy):
 
 
 class DSparkTreePolicy(DSparkPolicy):
-    """`tree`: a single request grows its best-first token tree (up to `tree_nodes` drafts) while each
-    next node raises Θ = (1 + Σ_{i<N} s_i) · rate(N + 1) — s_i node i's slot priority, its path's draft
-    probability as known *before* the node is drawn, rate the step rate of the SPS curve with the
-    drafting pass — and stops at the first that does not (what is grown never depends on a node's own
-    token: lossless, DESIGN.md §7b). Rows of a batch get the dspark policy's chains."""
+    """`tree`: the rows of a step grow their best-first token trees together (up to `tree_nodes` drafts
+    each), the next node of any row while it raises Θ = (R + Σ_{i<N} s_i) · rate(R + N) — R rows, N
+    drafts, s_i node i's slot priority, its path's draft probability as known *before* the node is
+    drawn, rate the step rate of the SPS curve with the drafting pass — stopping at the first that does
+    not (what is grown never depends on a node's own token: lossless, DESIGN.md §7b). As the batch
+    grows the curve steepens and the trees shrink to chains and to nothing; rows whose drafter grows
+    no trees get the dspark policy's chains."""
 
     name = "tree"
 
@@ -300,10 +306,9 @@ class DSparkTreePolicy(DSparkPolicy):
         tok/s ungated), its estimate locking out drafting for hundreds of steps after a few poor rounds."""
         return requests == 1 or super().should_draft(requests)
 
-    @property
-    def tree_admit(self):
-        rate = self.rate(1)
-        return lambda n, gain, priority: (gain + priority) * rate(n + 2) > gain * rate(n + 1)
+    def tree_admit(self, rows: int) -> Callable[[int, float, float], bool]:
+        rate = self.rate(rows)
+        return lambda n, gain, priority: (gain + priority) * rate(rows + n + 1) > gain * rate(rows + n)
 
 
 class DSparkAsyncPolicy(DSparkPolicy):
