@@ -44,6 +44,22 @@ def test_scheduler_policies_are_near_the_best_policy_and_never_below_ar(curve, n
         assert results["dspark"] >= results["ar"] and results["dspark-async"] >= results["ar"]
 
 
+def test_tree_policies_in_the_simulator_beat_chains_alone_and_shrink_in_a_batch():
+    """The simulator grows synthetic token trees with the real growth code: one node is the chain's first
+    draft (the same τ), a lone request's `tree` commits more per step than any chain rule, and in a
+    batch its trees shrink to about the dspark rule's chains, never below plain AR."""
+    sps = parse_sps(SMOOTH)
+    run = lambda spec, c, steps=400: simulate(parse_policy(spec, sps), sps, c, gamma=8, steps=steps,  # noqa: E731
+                                              accept_mean=0.6, seed=c)
+    assert abs(run("tree:1", 1, 1000).tau - run("fixed:1", 1, 1000).tau) < 0.08
+    alone = {spec: run(spec, 1) for spec in ("full", "dspark", "tree")}
+    assert alone["tree"].throughput > 1.05 * max(alone["full"].throughput, alone["dspark"].throughput), alone
+    for c in (4, 8):
+        tree, dspark, ar = run("tree", c), run("dspark", c), run("ar", c)
+        assert tree.throughput >= 0.95 * dspark.throughput and tree.throughput > ar.throughput, (c, tree, dspark)
+        assert tree.avg_verify_len < alone["tree"].avg_verify_len / 2  # smaller trees per row
+
+
 def test_scheduler_skips_drafting_when_it_does_not_pay():
     """With a draft pass costing half a plain step, a weak drafter loses to AR unless the policy stops
     drafting (from past steps); a strong one still wins by far."""

@@ -28,11 +28,15 @@ def add_parsers(sub) -> None:
         "simulate",
         help="predict scheduler throughput from an SPS curve, without a model",
         description="Run scheduler policies on synthetic confidences and acceptance draws with any SPS curve "
-        "(e.g. another machine's `dspark profile` output) and report aggregate and per-user tokens/s.",
+        "(e.g. another machine's `dspark profile` output) and report aggregate and per-user tokens/s. Tree "
+        "policies grow each request's token tree over a calibrated synthetic drafter (the best child of a "
+        "node at depth d holds accept-mean x 0.97^d, seven more share the rest); their 'avg verify len' is "
+        "the tree's drafts.",
     )
     si.add_argument("--sps", required=True, help="'1:40,2:39,...' (every B from 1) or a JSON file from `dspark profile`")
     si.add_argument("--policy", action="append", default=None,
-                    help="ar | fixed:K | threshold:C | dspark | dspark-async (repeatable; default: all)")
+                    help="ar | full | fixed:K | threshold:C | dspark | dspark-async | tree | tree:N (repeatable; "
+                    "default: ar, fixed:1, fixed:GAMMA, threshold:0.5, dspark, dspark-async, tree)")
     si.add_argument("--concurrency", default="1,2,4,8", help="comma-separated request counts (default 1,2,4,8)")
     si.add_argument("--gamma", type=positive_int, default=8, help="drafts per request and step (default 8)")
     si.add_argument("--accept-mean", type=float, default=0.8, help="mean acceptance at position 0 (default 0.8)")
@@ -79,7 +83,7 @@ def cmd_simulate(args) -> int:
         raise DsparkError("--accept-mean must be in (0, 1)")
     if not args.draft_ms >= 0:
         raise DsparkError("--draft-ms must be >= 0")
-    specs = args.policy or ["ar", "fixed:1", f"fixed:{args.gamma}", "threshold:0.5", "dspark", "dspark-async"]
+    specs = args.policy or ["ar", "fixed:1", f"fixed:{args.gamma}", "threshold:0.5", "dspark", "dspark-async", "tree"]
     print("policy          concurrency  tok/s    per-user  avg verify len   tau")
     for spec in specs:
         for c in levels:

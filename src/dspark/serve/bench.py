@@ -78,7 +78,7 @@ def _run_chunk(engine: Engine, encoded, ids: range, max_new_tokens: int, tempera
         "requests": len(reqs), "output_tokens": sum(len(r.token_ids) for r in reqs), "seconds": wall,
         "per_user_tok_s": [(len(r.token_ids) - 1) / (r.finished_at - r.first_token_at)
                            for r in reqs if len(r.token_ids) > 1 and r.finished_at > r.first_token_at],
-        "rounds": len(rounds), "drafted": sum(x.verified for x in rounds),
+        "rounds": len(rounds), "drafted": sum(x.computed for x in rounds),  # a tree round: its nodes
         "committed": sum(x.accepted + 1 for x in rounds), "engine_steps": engine.steps,
     }
 
