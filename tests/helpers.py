@@ -241,21 +241,38 @@ def total_variation(samples: list[list[int]], exact: torch.Tensor, vocab: int) -
     return 0.5 * (counts / len(samples) - exact).abs().sum().item()
 
 
-def first_two_tokens_tv(tmp_path: Path, make_drafter, n: int = 10_000) -> tuple[float, float]:
-    """Seeded speculative runs at T=1 through the single-request Decoder on the tiny sharp target:
-    total variation of the first two generated tokens from the exact joint, and the acceptance rate
-    of the one draft verified for token 2."""
+def first_two_tokens_tv(tmp_path: Path, kind: str, n: int = 10_000, **drafter_kw) -> tuple[float, float]:
+    """Seeded speculative runs at T=1 through the single-request Decoder on the tiny sharp target, the
+    drafter `make_random_<kind>(target, **drafter_kw)` (kind: dspark or eagle3): total variation of the
+    first two generated tokens from the exact joint, and the acceptance rate of the one draft verified
+    for token 2. The seeds run in two processes (the CI machine's two cores)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    with ProcessPoolExecutor(2, mp_context=get_context("spawn")) as pool:
+        parts = list(pool.map(first_two_tokens, [tmp_path / "a", tmp_path / "b"], [kind] * 2,
+                              [range(0, n, 2), range(1, n, 2)], [drafter_kw] * 2))
+    samples = [ids for part, _ in parts for ids in part]
+    target = tiny_sharp_target(tmp_path / "exact")
+    exact = exact_first_two(target, SamplingParams(temperature=1.0))
+    return total_variation(samples, exact, 4), sum(accepted for _, accepted in parts) / n
+
+
+def first_two_tokens(tmp: Path, kind: str, seeds: range, drafter_kw: dict) -> tuple[list[list[int]], int]:
+    """The first two tokens of T=1 runs seeded `seeds` and how many of their round-1 drafts were
+    accepted (module-level, so a process pool can run it)."""
     from dspark.decode.generate import Decoder
 
-    target = tiny_sharp_target(tmp_path)
-    params = SamplingParams(temperature=1.0)
-    spec = Decoder(target, make_drafter(target))
+    torch.set_num_threads(1)
+    target = tiny_sharp_target(tmp)
+    make = {"dspark": make_random_dspark, "eagle3": make_random_eagle3}[kind]
+    spec = Decoder(target, make(target, **drafter_kw))
     samples, accepted = [], 0
-    for seed in range(n):
-        r = spec.generate(TV_PROMPT, 3, params, seed=seed)  # round 1 verifies one draft: token 2
+    for seed in seeds:
+        r = spec.generate(TV_PROMPT, 3, SamplingParams(temperature=1.0), seed=seed)  # round 1 verifies token 2's draft
         samples.append(r.token_ids)
         accepted += r.rounds[0].accepted
-    return total_variation(samples, exact_first_two(target, params), 4), accepted / n
+    return samples, accepted
 
 
 # ---- verification, one step, many trials -----------------------------------------------------

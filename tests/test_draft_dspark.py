@@ -105,7 +105,7 @@ def test_greedy_with_random_drafter_equals_plain_greedy_on_smollm2(smollm2_fp32,
 def test_first_two_tokens_follow_the_target_distribution_at_t1(tmp_path):
     """Seeded end-to-end runs at T=1 with a Markov drafter: the empirical joint distribution of the
     first two generated tokens matches the target's exact one (total variation < 0.01)."""
-    tv, accept = first_two_tokens_tv(tmp_path, lambda t: make_random_dspark(t, "vanilla", block_size=3, rank=4, std=0.5))
+    tv, accept = first_two_tokens_tv(tmp_path, "dspark", head="vanilla", block_size=3, rank=4, std=0.5)
     assert 0.1 < accept < 0.9, accept  # drafts accepted and rejected: both paths exercised
     assert tv < 0.01, f"total variation {tv:.4f}"
 

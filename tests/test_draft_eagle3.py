@@ -76,7 +76,7 @@ def test_greedy_with_random_eagle3_equals_plain_greedy(tiny_loaded, smollm2_fp32
 
 
 def test_first_two_tokens_follow_the_target_distribution_at_t1(tmp_path):
-    tv, accept = first_two_tokens_tv(tmp_path, lambda t: make_random_eagle3(t, block_size=3, std=0.5))
+    tv, accept = first_two_tokens_tv(tmp_path, "eagle3", block_size=3, std=0.5)
     assert 0.1 < accept < 0.9, accept
     assert tv < 0.01, f"total variation {tv:.4f}"
 

@@ -152,8 +152,8 @@ def test_verification_stays_exact_when_the_target_has_mass_outside_the_draft_voc
 
 def test_first_two_tokens_follow_the_target_at_t1_with_half_the_vocabulary(tmp_path):
     """End to end through the Decoder on the 4-token sharp target, drafting over tokens {1, 3}."""
-    tv, accept = first_two_tokens_tv(
-        tmp_path, lambda t: make_random_dspark(t, "vanilla", block_size=3, rank=4, std=0.5, draft_vocab=[1, 3]))
+    tv, accept = first_two_tokens_tv(tmp_path, "dspark", head="vanilla", block_size=3, rank=4, std=0.5,
+                                     draft_vocab=[1, 3])
     assert 0.05 < accept < 0.95, accept
     assert tv < 0.01, f"total variation {tv:.4f}"
 
