@@ -148,6 +148,7 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from dspark.decode.speculation import (
+        TREE_MAX_TOKENS,
         check_drafter_spec,
         engine_factory,
         resolve_drafter_spec,
@@ -183,8 +184,8 @@ def cmd_serve(args) -> int:
     make_engine, drafter_label, max_drafts = engine_factory(target, spec, max_len)
     policy_name = policy if drafter_label != "none" else "ar"
     sps = None
-    if policy_name in ("dspark", "dspark-async"):
-        sps_tokens = min(256, args.max_batch * (max_drafts + 1))
+    if policy_name in ("dspark", "dspark-async", "tree"):  # the policies that read the cost curve
+        sps_tokens = min(256, max(args.max_batch * (max_drafts + 1), TREE_MAX_TOKENS if policy_name == "tree" else 0))
         if cached_sps(target, sps_tokens) is None:
             _profile_apart(args, sps_tokens, policy_name)
         sps, _, measured = load_or_measure(target, max_tokens=sps_tokens)
