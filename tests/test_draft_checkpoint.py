@@ -229,7 +229,7 @@ def test_auto_picks_the_bundled_drafter_of_the_target_else_prompt_lookup(tiny, t
     for bad, why in (("prompt-lookup+lookup", "model drafter"), (f"{bundled}+lookup@full", "@tree")):
         with pytest.raises(DsparkError, match=why):
             speculation.load_speculation(bad, qwen3)
-    with pytest.raises(DsparkError, match="batched engine verifies chains"):
+    with pytest.raises(DsparkError, match="batched engine takes no prompt-lookup branches"):
         speculation.engine_factory(qwen3, f"{bundled}+lookup")
     speculation.check_drafter_spec("auto@full")
     with pytest.raises(DsparkError, match="unknown verification rule"):

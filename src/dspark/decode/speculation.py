@@ -179,8 +179,8 @@ def engine_factory(target: Target, drafter_spec: str | None,
                 ENGINE_PROMPT_LOOKUP_DRAFTS)
     drafter = load_drafter(drafter_spec, target)
     if isinstance(drafter, LookupBranchDrafter):
-        raise DsparkError(f"the batched engine verifies chains: `{SUFFIX}` (tree branches) works in `dspark "
-                          "generate` and `dspark eval`; serve the drafter without it")
+        raise DsparkError(f"the batched engine takes no prompt-lookup branches: `{SUFFIX}` works in `dspark "
+                          "generate` and `dspark eval`; serve the drafter without it (`@tree` grows its trees)")
     model = drafter.model if isinstance(drafter, ModelDrafter) else None
     if isinstance(model, DSparkModel):  # DSpark / DFlash: one batched drafting pass per step
         return make(draft_model=model, temperatures=drafter.temperatures), drafter_spec, drafter.max_drafts
