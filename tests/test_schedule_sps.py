@@ -49,7 +49,7 @@ def test_tree_policies_in_the_simulator_beat_chains_alone_and_shrink_in_a_batch(
     draft (the same τ), a lone request's `tree` commits more per step than any chain rule, and in a
     batch its trees shrink to about the dspark rule's chains, never below plain AR."""
     sps = parse_sps(SMOOTH)
-    run = lambda spec, c, steps=400: simulate(parse_policy(spec, sps), sps, c, gamma=8, steps=steps,  # noqa: E731
+    run = lambda spec, c, steps=400: simulate(parse_policy(spec, sps), sps, c, gamma=8, steps=steps,
                                               accept_mean=0.6, seed=c)
     assert abs(run("tree:1", 1, 1000).tau - run("fixed:1", 1, 1000).tau) < 0.08
     alone = {spec: run(spec, 1) for spec in ("full", "dspark", "tree")}

@@ -13,7 +13,7 @@ read from the target (inference), never stored in the module.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
