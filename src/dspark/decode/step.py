@@ -167,30 +167,14 @@ class DecodeStep:
     def _forward_trees(self, cache, rows: list[Row], trees: list[DraftTree]):
         """One forward of every row's [anchor, tree nodes]: (hidden [R, q, H], taps [R, q, m, H] or
         None) in `rows` order. A lone row runs its whole cache row (the compiled runner's path); more
-        run ragged over the cache rows up to the last one in use."""
-        self.steps += 1
+        run ragged (`_ragged_forward`)."""
         if len(rows) == 1:
             (row,), (tree,) = rows, trees
+            self.steps += 1
             out = self.model(torch.tensor([[row.anchor] + tree.tokens]), cache.row(row.index), taps=self.taps,
                              tree=tree.attention())
             return out.hidden, out.taps
-        B, q = 1 + max(r.index for r in rows), 1 + max(len(t) for t in trees)
-        ids = torch.zeros(B, q, dtype=torch.long)
-        num_new = torch.zeros(B, dtype=torch.long)
-        depth = torch.zeros(B, q, dtype=torch.long)
-        visible = torch.eye(q, dtype=torch.bool).repeat(B, 1, 1)  # padding sees itself only
-        for r, tree in zip(rows, trees):
-            n = 1 + len(tree)
-            ids[r.index, :n] = torch.tensor([r.anchor] + tree.tokens)
-            num_new[r.index] = n
-            depth[r.index, :n], visible[r.index, :n, :n] = tree.attention()
-        idle = torch.ones(cache.batch_size, dtype=torch.bool)
-        idle[[r.index for r in rows]] = False
-        cache.lengths[idle] = 0
-        view = cache.rows(0, B) if B < cache.batch_size else cache
-        out = self.model(ids, view, num_new=num_new, taps=self.taps, tree=(depth, visible))
-        if view is not cache:
-            cache.lengths[:B] = view.lengths
+        out, _ = self._ragged_forward(cache, rows, [[r.anchor] + t.tokens for r, t in zip(rows, trees)], trees)
         index = torch.tensor([r.index for r in rows])
         return out.hidden[index], out.taps[index] if self.taps else None
 
@@ -225,25 +209,40 @@ class DecodeStep:
         return [min(ell, n) for ell, n in zip(self.policy.lengths(survivals, drafted), drafted)]
 
     def _forward(self, cache, rows, drafts, lengths):
-        """One ragged forward over the cache rows up to the last one in use: row r holds [anchor, ℓ_r
-        drafts], right-padded; the target computes the real tokens alone (rows between without a
-        request bring none), and that many positions count as computed."""
-        B, q = 1 + max(r.index for r in rows), 1 + max(lengths)
+        """(committed lengths before the step, the forward's output, positions computed): row r holds
+        [anchor, ℓ_r drafts] in one ragged forward."""
+        out, num_new = self._ragged_forward(cache, rows, [[r.anchor] + d[:ell] for r, d, ell in zip(rows, drafts, lengths)])
+        committed = cache.lengths.clone()
+        committed[: num_new.shape[0]] -= num_new
+        return committed, out, int(num_new.sum())
+
+    def _ragged_forward(self, cache, rows: list[Row], tokens: list[list[int]], trees: list[DraftTree] | None = None):
+        """One forward over the cache rows up to the last one in use, row r bringing `tokens[i]`
+        right-padded (rows between without a request are reset and bring none; the target computes the
+        real tokens alone), each row's token tree under `trees` if given. Returns (output, tokens per row [B])."""
+        B, q = 1 + max(r.index for r in rows), max(map(len, tokens))
         ids = torch.zeros(B, q, dtype=torch.long)
         num_new = torch.zeros(B, dtype=torch.long)
-        for r, d, ell in zip(rows, drafts, lengths):
-            ids[r.index, : 1 + ell] = torch.tensor([r.anchor] + d[:ell])
-            num_new[r.index] = 1 + ell
+        for r, t in zip(rows, tokens):
+            ids[r.index, : len(t)] = torch.tensor(t)
+            num_new[r.index] = len(t)
+        tree = None
+        if trees is not None:
+            depth = torch.zeros(B, q, dtype=torch.long)
+            visible = torch.eye(q, dtype=torch.bool).repeat(B, 1, 1)  # padding sees itself only
+            for r, t in zip(rows, trees):
+                n = 1 + len(t)
+                depth[r.index, :n], visible[r.index, :n, :n] = t.attention()
+            tree = (depth, visible)
         idle = torch.ones(cache.batch_size, dtype=torch.bool)
         idle[[r.index for r in rows]] = False
         cache.lengths[idle] = 0
-        committed = cache.lengths.clone()
         view = cache.rows(0, B) if B < cache.batch_size else cache
-        out = self.model(ids, view, num_new=num_new, taps=self.taps)
+        out = self.model(ids, view, num_new=num_new, taps=self.taps, tree=tree)
         if view is not cache:
             cache.lengths[:B] = view.lengths
         self.steps += 1
-        return committed, out, int(num_new.sum())
+        return out, num_new
 
     def _verify(self, hidden, rows, blocks, drafts, lengths) -> tuple[list[int], list[int]]:
         """(accepted drafts, next token) per row, from one LM-head product over the verified positions

@@ -80,8 +80,9 @@ def verify_tree_sampled(tree: DraftTree, target_probs: torch.Tensor,
     """Recursive rejection sampling down a token tree (DESIGN.md §7b): at each node the children are
     tried in draw order, child k accepted with probability min(1, p_k(x) / q_k(x)), where q_k is the
     draft distribution the child was drawn from with the earlier siblings removed (one-hot for a
-    deterministic child: greedy growth, a given branch) and p_k the target's distribution with each rejected q_j subtracted
-    (p_{k+1} = norm(max(p_k - q_k, 0))); past the last child the next token is drawn from p.
+    deterministic child: greedy growth, a given branch) and p_k the target's distribution with each
+    rejected q_j subtracted (p_{k+1} = norm(max(p_k - q_k, 0))); past the last child the next token is
+    drawn from p.
     `target_probs[1 + i]` is the target's distribution after node i. Returns (accepted nodes, next token)."""
     children, node, path = tree.children(), -1, []
     while True:

@@ -134,7 +134,7 @@ class TreeGrowth:
         self.nodes = {-1: _Node(anchor, 1.0, None, self.given[0] if self.given else None)}
         self.tokens: list[int] = []
         self.parents: list[int] = []
-        self.from_branch: list[bool] = []
+        self.given_nodes: set[int] = set()  # the nodes `branch` gave
         self.depth = {-1: 0}
         self.gain = 1.0  # expected tokens the tree commits: 1 + the priorities taken
         # (-priority, node, slot); slot -1: a node to expand
@@ -166,7 +166,8 @@ class TreeGrowth:
         on_branch = index < 0
         self.tokens.append(node.given[0] if on_branch else _target_id(self.vocab, index))
         self.parents.append(n)
-        self.from_branch.append(on_branch)
+        if on_branch:
+            self.given_nodes.add(child)
         depth = self.depth[child] = self.depth[n] + 1
         if slot + 1 < len(node.order):
             heapq.heappush(self.heap, (-node.score * node.priorities[slot + 1], n, slot + 1))
@@ -177,8 +178,7 @@ class TreeGrowth:
 
     def tree(self) -> DraftTree:
         child_probs = {} if self.params.greedy else {n: self.nodes[n].probs for n in sorted(set(self.parents))}
-        return DraftTree(self.tokens, self.parents, child_probs, self.vocab,
-                         {i for i, b in enumerate(self.from_branch) if b})
+        return DraftTree(self.tokens, self.parents, child_probs, self.vocab, self.given_nodes)
 
 
 def grow_tree(expand: Expand, anchor: int, limits: TreeLimits, params: SamplingParams,

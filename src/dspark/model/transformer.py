@@ -387,7 +387,7 @@ class TokenLayout:
         if self.single_start is None:  # where `write` scatters each token's K / V: row b's token i to start[b] + i
             self.rows = (torch.arange(self.B, device=start.device).repeat_interleave(q) if self.index is None
                          else self.index // q)
-            self.slots = self.pack(start[:, None] + steps[None, :])
+            self.slots = self.pos if depth is None else self.pack(start[:, None] + steps[None, :])
 
     def pack(self, grid: torch.Tensor) -> torch.Tensor:
         """[B, q, ...] -> [N, ...]."""

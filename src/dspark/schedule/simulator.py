@@ -112,11 +112,12 @@ def _tree_step(policy: Policy, concurrency: int, gamma: int, rng: random.Random,
 def _synthetic_expand(rng: random.Random, accept_mean: float, decay: float, spread: float, children: int = 8):
     """A node at depth d: α ~ N(accept_mean · decay^d, spread) on its best child, the rest halving over
     `children` - 1 more (as log-probabilities, the form `TreeGrowth` expands)."""
-    tail = [0.5**s for s in range(1, children)]
+    tail = torch.tensor([0.5**s for s in range(1, children)])
+    tail /= tail.sum()
 
     def expand(node: int, depth: int, token: int, state):
         top = min(0.999, max(0.001, rng.gauss(accept_mean * decay**depth, spread)))
-        return torch.tensor([top] + [(1 - top) * t / sum(tail) for t in tail]).log(), None
+        return torch.cat([torch.tensor([top]), (1 - top) * tail]).log(), None
 
     return expand
 
