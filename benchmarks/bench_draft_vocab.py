@@ -55,9 +55,10 @@ def drafter_for(target, k: int, replies: list[list[int]], layers: int = 1, rank:
 
 
 @torch.inference_mode()
-def draft_pass_latency(target, drafters: dict, reps: int, context: int = 256) -> dict:
+def draft_pass_latency(target, drafters: dict, reps: int, context: int = 256, forwards=(1, 9)) -> dict:
     """Median ms of one full-block draft pass of each drafter ({name: drafter}) at T = 0 and T = 1,
-    and of a 1- and 9-token target forward, all round-robin after a `context`-token prompt.
+    and of target forwards over each number of tokens in `forwards`, all round-robin after a
+    `context`-token prompt.
 
     Every draft pass is timed right after an (untimed) 9-token target forward, the state a decode
     loop drafts in: the target's weights have just streamed through the caches. The jobs run in a
@@ -70,10 +71,10 @@ def draft_pass_latency(target, drafters: dict, reps: int, context: int = 256) ->
     taps = None
     for d in drafters.values():
         if taps is None:
-            taps = m(torch.tensor([ctx]), m.new_cache(1, context + 16), taps=d.tap_layers).taps[0]
+            taps = m(torch.tensor([ctx]), m.new_cache(1, context + max(forwards) + 16), taps=d.tap_layers).taps[0]
         d.begin(ctx)
         d.observe(ctx, taps)
-    cache = m.new_cache(1, context + 16)
+    cache = m.new_cache(1, context + max(forwards) + 16)
     m(torch.tensor([ctx]), cache)
     temps = {"T=0": SamplingParams(temperature=0.0), "T=1": SamplingParams(temperature=1.0)}
 
@@ -81,7 +82,7 @@ def draft_pass_latency(target, drafters: dict, reps: int, context: int = 256) ->
         cache.truncate(context)
         m.logits(m(torch.arange(200, 200 + q)[None], cache).hidden[0])
 
-    jobs = {f"target {q}-token forward": (lambda q=q: target_forward(q)) for q in (1, 9)}
+    jobs = {f"target {q}-token forward": (lambda q=q: target_forward(q)) for q in forwards}
     for label, d in drafters.items():
         for name, params in temps.items():
             gen = torch.Generator().manual_seed(0)

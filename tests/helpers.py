@@ -164,18 +164,20 @@ def _random_drafter(cfg, target, seed: int, std: float, draft_vocab: list[int] |
     model.reset_parameters(std)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.2 * torch.randn_like(p))
+            if name.endswith("norm.weight") or name == "layer_fusion_weights":
+                p.add_(0.2 * torch.randn_like(p) if name.endswith("norm.weight") else torch.randn_like(p))
     return wrap_drafter(model.to(target.model.dtype).requires_grad_(False), target)
 
 
 def make_random_dspark(target, head: str = "vanilla", block_size: int = 4, layers: int = 1, rank: int = 8,
-                       confidence: bool = True, seed: int = 0, std: float = 0.15, draft_vocab: list[int] | None = None):
-    """A randomly initialised DSpark drafter for `target` (over `draft_vocab` only, if given)."""
+                       confidence: bool = True, seed: int = 0, std: float = 0.15, draft_vocab: list[int] | None = None,
+                       fusion: str = "shared"):
+    """A randomly initialised DSpark drafter for `target` (over `draft_vocab` only, if given;
+    `fusion`: its context fusion)."""
     from dspark.draft.checkpoint import new_draft_config
 
     cfg = new_draft_config(target, block_size=block_size, num_hidden_layers=layers, markov_head_type=head,
-                           markov_rank=rank, enable_confidence_head=confidence)
+                           markov_rank=rank, enable_confidence_head=confidence, context_fusion=fusion)
     return _random_drafter(cfg, target, seed, std, draft_vocab)
 
 

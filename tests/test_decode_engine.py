@@ -161,13 +161,14 @@ def test_tree_rows_of_a_batch_keep_the_target_distribution(tmp_path):
     assert tv < 0.01, f"total variation {tv:.4f}"
 
 
-def test_batched_draft_pass_matches_the_single_request_drafter(tiny_targets):
+@pytest.mark.parametrize("fusion", ["shared", "layerwise"])
+def test_batched_draft_pass_matches_the_single_request_drafter(tiny_targets, fusion):
     """Same contexts, same anchors: the batched pass (ragged contexts, mixed sampling settings)
     proposes what each slot's own DSparkDrafter proposes, with the same p_d and confidences."""
     from dspark.draft.batched import BatchedDSparkDrafter
 
     target = load_target(tiny_targets[3][1], dtype=torch.float32, require_tokenizer=False)
-    single = make_random_dspark(target, "rnn", block_size=5, std=0.3)
+    single = make_random_dspark(target, "rnn", block_size=5, layers=2, std=0.3, fusion=fusion)
     batch = BatchedDSparkDrafter(single.model, target, slots=3, max_len=128)
     gen = torch.Generator().manual_seed(0)
     contexts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (7, 30, 19)]

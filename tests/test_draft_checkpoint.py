@@ -48,6 +48,29 @@ def test_save_then_load_is_bit_exact(tiny, tmp_path, head):
         assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight"} <= names
 
 
+def test_a_layerwise_fusion_drafter_saves_loads_and_refuses_export_clearly(tiny, tmp_path):
+    """DFlare's fusion: its tensors (no `fc`; per-layer fusion weights, context k / v projections) go
+    through save / load bit for bit, config.json says so, and every foreign layout refuses it by name."""
+    target = tiny["qwen3-tied"]
+    drafter = make_random_dspark(target, "vanilla", block_size=4, layers=2, fusion="layerwise")
+    save_drafter(drafter.model, tmp_path / "d", target=target)
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["context_fusion"] == "layerwise" and cfg["target_layer_ids"] == [0, 1, 2]  # all a 4-layer target allows
+    names = set(load_file(tmp_path / "d" / "model.safetensors"))
+    assert "fc.weight" not in names
+    assert {"layer_fusion_weights", "layers.1.self_attn.k_proj_target.weight", "layers.1.self_attn.v_proj_target.weight"} <= names
+    loaded = load_drafter_checkpoint(tmp_path / "d", target)
+    want, got = drafter.model.state_dict(), loaded.model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    a, b = _propose(drafter, target), _propose(loaded, target)
+    assert a.tokens == b.tokens and torch.equal(a.probs, b.probs)
+    for layout in ("deepspec", "speculators"):
+        with pytest.raises(DsparkError, match="fuses the target's features layer by layer"):
+            export_drafter(tmp_path / "d", target, tmp_path / layout, layout=layout)
+    with pytest.raises(DsparkError, match="unknown context fusion 'mixed'"):
+        make_random_dspark(target, "vanilla", fusion="mixed")
+
+
 def test_config_follows_the_deepspec_layout(tiny, tmp_path):
     target = tiny["qwen3-tied"]
     save_drafter(make_random_dspark(target, "gated", block_size=4).model, tmp_path / "d")

@@ -9,6 +9,8 @@ from dspark.model.loading import load_target
 from dspark.sampling import SamplingParams, probs_from_logits
 
 HEADS = ["vanilla", "gated", "rnn", "none"]
+# every head with DFlash's shared context projection; DFlare's layer-wise fusion with a Markov head and without
+SHAPES = [(head, "shared") for head in HEADS] + [("vanilla", "layerwise"), ("none", "layerwise")]
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +30,11 @@ def _teacher_forced_logits(drafter, target, tokens, anchors):
     return out.taps[0], prev[0], logits[0], conf
 
 
-@pytest.mark.parametrize("head", HEADS)
-def test_training_and_inference_paths_give_the_same_logits(tiny_loaded, head):
+@pytest.mark.parametrize("head,fusion", SHAPES)
+def test_training_and_inference_paths_give_the_same_logits(tiny_loaded, head, fusion):
     gen = torch.Generator().manual_seed(0)
     for name, target in tiny_loaded:
-        drafter = make_random_dspark(target, head, block_size=5, layers=2)
+        drafter = make_random_dspark(target, head, block_size=5, layers=2, fusion=fusion)
         tokens = torch.randint(target.cfg.vocab_size, (48,), generator=gen).tolist()
         anchors = [0, 1, 9, 23, 40, 47]  # incl. an anchor with no context and blocks running past the end
         taps, prev, logits, conf = _teacher_forced_logits(drafter, target, tokens, anchors)
@@ -46,7 +48,7 @@ def test_training_and_inference_paths_give_the_same_logits(tiny_loaded, head):
             pick = (lambda lg: [next(forced) for _ in range(lg.shape[0])])
             _, inf_logits, inf_conf = drafter.run_heads(h, base, tokens[p], pick)
             err = (inf_logits - logits[i]).abs().max().item()
-            assert err <= 1e-4, f"{name}/{head} anchor {p}: logits differ by {err}"
+            assert err <= 1e-4, f"{name}/{head}/{fusion} anchor {p}: logits differ by {err}"
             assert conf is not None and inf_conf is not None  # every head here has a confidence head
             assert (inf_conf - conf[0, i]).abs().max().item() <= 1e-4
 
@@ -79,16 +81,16 @@ def test_sampled_block_carries_the_exact_probabilities_it_was_drawn_from(tiny_lo
             assert (block.confidence_logits - conf[0, 0]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("head", HEADS)
-def test_greedy_with_random_drafter_equals_plain_greedy_on_tiny_targets(tiny_loaded, head):
+@pytest.mark.parametrize("head,fusion", SHAPES)
+def test_greedy_with_random_drafter_equals_plain_greedy_on_tiny_targets(tiny_loaded, head, fusion):
     for name, target in tiny_loaded:
-        drafter = make_random_dspark(target, head, block_size=4)
+        drafter = make_random_dspark(target, head, block_size=4, fusion=fusion)
         ar, spec = Decoder(target), Decoder(target, drafter)
         for seed in range(3):
             prompt = torch.randint(3, target.cfg.vocab_size, (5 + 7 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
             want = ar.generate(prompt, 40).token_ids
             got = spec.generate(prompt, 40)
-            assert got.token_ids == want, f"{name}/{head} diverged"
+            assert got.token_ids == want, f"{name}/{head}/{fusion} diverged"
             assert len(got.rounds) < 40  # drafts were verified and some accepted: not plain AR in disguise
 
 

@@ -44,9 +44,10 @@ def _log(out):
     return [r for r in recs if "val" not in r], [r for r in recs if "val" in r]
 
 
-@pytest.mark.parametrize("algorithm", ["dspark", "dflash", "eagle3"])
-def test_loss_falls_and_validation_tau_rises(tiny_run, tmp_path, algorithm):
-    Trainer(_cfg(tiny_run, tmp_path / "run", algorithm=algorithm), progress=False).run()
+@pytest.mark.parametrize("algorithm,fusion", [("dspark", "shared"), ("dflash", "shared"), ("eagle3", "shared"),
+                                              ("dspark", "layerwise")])
+def test_loss_falls_and_validation_tau_rises(tiny_run, tmp_path, algorithm, fusion):
+    Trainer(_cfg(tiny_run, tmp_path / "run", algorithm=algorithm, context_fusion=fusion), progress=False).run()
     train, val = _log(tmp_path / "run")
     assert len(train) == 60 and [v["step"] for v in val] == [0, 20, 40, 60]
     for r in train:  # where each step's time went
@@ -68,7 +69,24 @@ def test_loss_falls_and_validation_tau_rises(tiny_run, tmp_path, algorithm):
     shutil.rmtree(tmp_path / "run" / "checkpoint")
     for resume in (False, True):
         with pytest.raises(DsparkError, match="finished training run"):
-            Trainer(_cfg(tiny_run, tmp_path / "run", algorithm=algorithm), resume=resume, progress=False)
+            Trainer(_cfg(tiny_run, tmp_path / "run", algorithm=algorithm, context_fusion=fusion), resume=resume,
+                    progress=False)
+
+
+@pytest.mark.parametrize("algorithm,loss", [("dflash", "kd"), ("dspark", "ce"), ("dspark", "soft_ce")])
+def test_any_drafter_trains_on_any_loss(tiny_run, tmp_path, algorithm, loss):
+    """The loss is a choice apart from the drafter (issue 47's ablations swap them): the logged terms combine
+    as the chosen loss says, and the DSpark confidence head keeps its BCE under every one."""
+    Trainer(_cfg(tiny_run, tmp_path / "run", algorithm=algorithm, loss=loss, steps=3, eval_every=3),
+            progress=False).run()
+    train, _ = _log(tmp_path / "run")
+    for r in train:
+        if loss == "kd":
+            assert r["tv"] > 0 and r["conf"] == 0
+            assert r["loss"] == pytest.approx(0.1 * r["ce"] + 0.9 * r["tv"], rel=1e-5)
+        else:
+            assert r["conf"] > 0 and r["tv"] > 0  # the L1 that c* needs is logged, not weighted
+            assert r["loss"] == pytest.approx(r["ce"] + r["conf"], rel=1e-5)
 
 
 def _write_toml(cfg: TrainConfig, path):
@@ -229,6 +247,7 @@ def test_bad_training_input_gives_clear_errors(tiny_run, tmp_path, tiny_targets)
         (dict(tap_layers=[1, 9]), r"tapped layer ids \[9\] are out of range"),
         (dict(block_size=1), "block_size must be >= 2"),
         (dict(algorithm="medusa"), "unknown algorithm"),
+        (dict(loss="mse"), "unknown loss 'mse'; choose one of auto, kd, ce, soft_ce"),
         (dict(device="tpu"), "device must be auto, cpu, cuda or cuda:N"),
     ]
     if not torch.cuda.is_available():

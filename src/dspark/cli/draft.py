@@ -28,7 +28,13 @@ def add_parsers(sub) -> None:
     init.add_argument("--layers", type=positive_int, default=1, help="draft decoder layers (default 1)")
     init.add_argument("--tap-layers", default=None, metavar="IDS",
                       help="comma-separated target layer ids to tap, -1 = the embedding output (write "
-                      "--tap-layers=-1,4,8 then) (default: 5 spread over the depth, never the last)")
+                      "--tap-layers=-1,4,8 then) (default: 5 spread over the depth, 9 with --context-fusion layerwise; never "
+                      "the last)")
+    init.add_argument("--context-fusion", default="shared", choices=["shared", "layerwise"],
+                      help="how the tapped target features reach the draft layers: shared = one projection of "
+                      "their concatenation read by every layer (DFlash / DeepSpec; exportable) | layerwise = each "
+                      "layer's own softmax mix of them and its own context key / value projections (DFlare; 9 taps "
+                      "by default; dspark only)")
     init.add_argument("--markov-rank", type=positive_int, default=32, help="rank r of the sequential head (default 32)")
     init.add_argument("--mask-token-id", type=int, default=None,
                       help="token id used for MASK slots (default: an unused row or an unused special token)")
@@ -126,6 +132,7 @@ def cmd_draft_init(args) -> int:
         enable_confidence_head=confidence,
         mask_token_id=args.mask_token_id,
         draft_vocab_size=args.draft_vocab_size,
+        context_fusion=args.context_fusion,
     )
     torch.manual_seed(args.seed)
     model = DSparkModel(cfg)

@@ -32,8 +32,8 @@ class BatchedDSparkDrafter(BatchDrafter):
         self.tap_layers = tuple(model.cfg.target_layer_ids)
         attn = model.layers[0].self_attn
         shape = (slots, attn.nkv, max_len, attn.hd)
-        self.k = [model.fc.weight.new_zeros(shape) for _ in model.layers]
-        self.v = [model.fc.weight.new_zeros(shape) for _ in model.layers]
+        self.k = [model.norm.weight.new_zeros(shape) for _ in model.layers]
+        self.v = [model.norm.weight.new_zeros(shape) for _ in model.layers]
         self.lengths = [0] * slots
         self.pending: list[list[torch.Tensor]] = [[] for _ in range(slots)]  # taps not yet in the K/V
         self.max_len = max_len

@@ -15,7 +15,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dspark.draft import vocab
-from dspark.draft.config import DraftConfig, default_tap_layers
+from dspark.draft.config import LAYERWISE_TAPS, DraftConfig, default_tap_layers
 from dspark.draft.dspark import DSparkDrafter, DSparkModel
 from dspark.draft.heads import upgrade_legacy_names
 from dspark.errors import DsparkError
@@ -56,12 +56,12 @@ def default_mask_token_id(target: Target) -> int:
 
 
 def new_draft_config(target: Target, **options) -> DraftConfig:
-    """A drafter config for `target`; unset options get defaults (5 spread taps for DSpark, 3 for
-    EAGLE-3's low/mid/high features, an unused mask token)."""
+    """A drafter config for `target`; unset options get defaults (5 spread taps for DSpark, 9 with
+    layer-wise fusion, 3 for EAGLE-3's low/mid/high features, an unused mask token)."""
     opts = {k: v for k, v in options.items() if v is not None}
     if opts.get("kind") == "eagle3":
         opts.update(markov_head_type="none", enable_confidence_head=False, num_hidden_layers=1)
-    count = 3 if opts.get("kind") == "eagle3" else 5
+    count = 3 if opts.get("kind") == "eagle3" else LAYERWISE_TAPS if opts.get("context_fusion") == "layerwise" else 5
     opts.setdefault("target_layer_ids", default_tap_layers(target.cfg.num_hidden_layers, count))
     opts.setdefault("mask_token_id", default_mask_token_id(target))
     return DraftConfig(target=target.cfg, **opts)

@@ -9,6 +9,11 @@ from dspark.model.config import TargetConfig
 
 HEAD_TYPES = ("vanilla", "gated", "rnn", "none")  # "none" = DFlash mode (no sequential head)
 DRAFT_LAYERS = ("qwen3", "target")
+# how the tapped target features reach the draft layers: shared = DFlash's one projection of their
+# concatenation, read by every layer; layerwise = DFlare's per-layer softmax mixture of them, with
+# context key / value projections of each layer's own
+CONTEXT_FUSIONS = ("shared", "layerwise")
+LAYERWISE_TAPS = 9  # tapped layers a layer-wise drafter spreads over the target by default (DFlare's)
 EMBEDDING_TAP = -1  # a tapped layer id that means the embedding output (DeepSpec's convention)
 _ARCH_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 _KINDS = ("DSparkModel", "DFlashModel", "Eagle3Model")  # after a family prefix: Qwen3DSparkModel, ...
@@ -69,6 +74,7 @@ class DraftConfig:
     attention_bias: bool = False  # qwen3 draft layers: biases on q/k/v/o
     # K: the drafter drafts over the K most frequent target tokens (draft/vocab.py); 0 = all of them
     draft_vocab_size: int = 0
+    context_fusion: str = "shared"  # one of CONTEXT_FUSIONS
 
     def __post_init__(self):
         L = self.target.num_hidden_layers
@@ -86,6 +92,11 @@ class DraftConfig:
             raise DsparkError("confidence_head_with_markov needs a confidence head and a sequential head")
         if self.kind == "eagle3" and (self.has_sequential_head or self.enable_confidence_head or self.num_hidden_layers != 1):
             raise DsparkError("an EAGLE-3 drafter has one layer and no sequential or confidence head")
+        if self.context_fusion not in CONTEXT_FUSIONS:
+            raise DsparkError(f"unknown context fusion {self.context_fusion!r}; choose one of "
+                              f"{', '.join(CONTEXT_FUSIONS)}")
+        if self.context_fusion != "shared" and (self.kind != "dspark" or self.draft_layer != "qwen3"):
+            raise DsparkError("layer-wise context fusion is for DSpark / DFlash drafters with Qwen3-style layers")
         if self.block_size < 2:
             raise DsparkError(f"block size must be >= 2, got {self.block_size}")
         if self.num_hidden_layers < 1:
@@ -162,6 +173,8 @@ class DraftConfig:
             num_anchors=self.num_anchors,
             draft_vocab_size=self.draft_vocab_size or t.vocab_size,  # EAGLE-3 / DeepSpec: V when not reduced
         )
+        if self.context_fusion != "shared":  # dspark's own field; absent = DeepSpec's shared projection
+            d["context_fusion"] = self.context_fusion
         if not self.has_sequential_head:
             d.pop("markov_head_type")  # DeepSpec writes the head type only with a head (rank > 0)
         return d
@@ -196,6 +209,7 @@ class DraftConfig:
                 draft_layer="qwen3" if qwen3_layer else "target",
                 attention_bias=bool(d.get("attention_bias", False)) if qwen3_layer else False,
                 draft_vocab_size=int(d.get("draft_vocab_size", target.vocab_size)),
+                context_fusion=str(d.get("context_fusion", "shared")),
             )
         except KeyError as e:
             raise DsparkError(f"drafter config.json lacks the field {e.args[0]!r}") from None

@@ -35,7 +35,10 @@ class DSparkModel(DraftModelBase):
         super().__init__(cfg)
         t = cfg.target
         H = t.hidden_size
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
+        if cfg.context_fusion == "layerwise":  # per draft layer, softmax weights over the tapped layers
+            self.layer_fusion_weights = nn.Parameter(torch.empty(cfg.num_hidden_layers, len(cfg.target_layer_ids)))
+        else:
+            self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, t.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(H, t.rms_norm_eps)
@@ -48,15 +51,34 @@ class DSparkModel(DraftModelBase):
         )
         self.reset_parameters()
 
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """HF-style init; layer-wise fusion weights as DFlare starts them: draft layer i of D puts logit 2
+        on tapped layer ⌊i·m / D⌋ of m (its share of the depth), 0 on the others."""
+        super().reset_parameters(std)
+        if self.cfg.context_fusion == "layerwise":
+            D, m = self.layer_fusion_weights.shape
+            with torch.no_grad():
+                self.layer_fusion_weights.zero_()
+                for i in range(D):
+                    self.layer_fusion_weights[i, min(m - 1, i * m // D)] = 2.0
+
     # ---- shared pieces -------------------------------------------------------------------------
     def context(self, taps: torch.Tensor) -> torch.Tensor:
-        """Tapped target features [..., m, H] -> context features H_ctx [..., H]."""
-        return self.hidden_norm(self.fc(taps.flatten(-2).to(self.dtype)))
+        """Tapped target features [..., m, H] -> context features H_ctx: [..., H] (shared fusion) or
+        [..., D, H], one per draft layer (layer-wise)."""
+        taps = taps.to(self.dtype)
+        if self.cfg.context_fusion == "layerwise":
+            mix = torch.softmax(self.layer_fusion_weights.float(), dim=-1).to(self.dtype)  # [D, m]
+            return self.hidden_norm(torch.einsum("...mh,dm->...dh", taps, mix))
+        return self.hidden_norm(self.fc(taps.flatten(-2)))
 
     def context_kv(self, ctx: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per draft layer, keys and values [B, nkv, n, hd] of context features ctx [B, n, H]."""
+        """Per draft layer, keys and values [B, nkv, n, hd] of context features ctx from `context` ([B, n, H]
+        or [B, n, D, H])."""
         cos, sin = self.rope(pos)
-        return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
+        layerwise = self.cfg.context_fusion == "layerwise"
+        return [layer.self_attn.keys_values(ctx[..., i, :] if layerwise else ctx, cos, sin)
+                for i, layer in enumerate(self.layers)]
 
     def block_hidden(self, x: torch.Tensor, pos: torch.Tensor, ctx_kv, mask: torch.Tensor | None) -> torch.Tensor:
         """Embedded block tokens x [B, q, H] at positions pos [B, q] -> final hidden states h [B, q, H].

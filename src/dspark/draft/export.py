@@ -97,6 +97,12 @@ def check_exportable(path: Path, cfg: DraftConfig) -> None:
             "llama.cpp load only Qwen3-style DSpark / DFlash layers. Train a drafter made by `dspark draft init` "
             "(Qwen3-style layers by default) to export it."
         )
+    if cfg.context_fusion != "shared":
+        raise DsparkError(
+            f"{path} fuses the target's features layer by layer (context_fusion = {cfg.context_fusion}, DFlare's "
+            "form): DeepSpec, vLLM, speculators and llama.cpp load only the shared `fc` projection. Use the drafter "
+            "with dspark itself, or train one with the shared fusion (the default) to export it."
+        )
 
 
 def export_drafter(path: str | Path, target: Target, out: str | Path, layout: str = "deepspec") -> Path:

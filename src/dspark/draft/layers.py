@@ -48,6 +48,10 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(d_in, self.nkv * self.hd, bias=cfg.layer_qkv_bias)
         self.v_proj = nn.Linear(d_in, self.nkv * self.hd, bias=cfg.layer_qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, t.hidden_size, bias=cfg.layer_o_bias)
+        self.own_context_projections = cfg.context_fusion == "layerwise"
+        if self.own_context_projections:  # DFlare: the context's keys / values get projections of their own
+            self.k_proj_target = nn.Linear(d_in, self.nkv * self.hd, bias=cfg.layer_qkv_bias)
+            self.v_proj_target = nn.Linear(d_in, self.nkv * self.hd, bias=cfg.layer_qkv_bias)
         if cfg.layer_qk_norm:
             self.q_norm = RMSNorm(self.hd, t.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, t.rms_norm_eps)
@@ -68,11 +72,16 @@ class DraftAttention(nn.Module):
         return q, k, v
 
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, q, d_in] -> RoPE'd keys and values [B, nkv, q, hd]."""
-        k, v = self._heads(self._kv(x, self.k_proj, self.v_proj), 2 * self.nkv).chunk(2, dim=1)
+        """Context features x [B, q, d_in] -> RoPE'd keys and values [B, nkv, q, hd]."""
+        k, v = self._heads(self._kv(x, *self._context_linears()), 2 * self.nkv).chunk(2, dim=1)
         if self.k_norm is not None:
             k = self.k_norm(k)
         return apply_rope(k, cos, sin), v
+
+    def _context_linears(self) -> tuple[nn.Module, nn.Module]:
+        if self.own_context_projections:
+            return self.k_proj_target, self.v_proj_target
+        return self.k_proj, self.v_proj
 
     def attend(self, q, k, v, mask) -> torch.Tensor:
         out = attention(q, k, v, mask)
@@ -169,7 +178,7 @@ class DraftModelBase(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        return self.norm.weight.dtype
 
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pos [B, q] absolute positions -> cos, sin [B, 1, q, hd] (same values as the target's tables).

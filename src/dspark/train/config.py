@@ -16,6 +16,10 @@ import torch
 from dspark.errors import DsparkError
 
 ALGORITHMS = ("dspark", "dflash", "eagle3")
+# the distillation losses (DESIGN.md §4): kd = ce_weight · CE + tv_weight · L1, ce = CE on the regenerated
+# token, soft_ce = −Σ p_t log p_d; "auto" picks each algorithm's published one
+LOSSES = ("auto", "kd", "ce", "soft_ce")
+DEFAULT_LOSS = {"dspark": "kd", "dflash": "ce", "eagle3": "soft_ce"}
 
 
 ALL_ANCHORS = "all"
@@ -38,6 +42,7 @@ class TrainConfig:
     markov_rank: int = 32
     confidence_head: bool = True
     confidence_head_with_markov: bool = True  # confidence on [h ; W1[prev]] (False: on h alone)
+    context_fusion: str = "shared"  # shared: one projection of the taps (DFlash) | layerwise: DFlare's per-layer mix
     draft_layer: str = "qwen3"  # qwen3: DeepSpec's draft layer | target: the target's own (dspark <= 0.1)
     tap_layers: list[int] = dataclasses.field(default_factory=list)  # [] = 5 spread over the depth
     mask_token_id: int = -1  # -1 = automatic
@@ -59,9 +64,10 @@ class TrainConfig:
     device: str = "auto"  # auto (CUDA when available, else CPU) | cpu | cuda | cuda:N
     seed: int = 0
     # losses (DESIGN.md §4)
-    ce_weight: float = 0.1
-    tv_weight: float = 0.9
-    conf_weight: float = 1.0
+    loss: str = "auto"  # auto (dspark: kd, dflash: ce, eagle3: soft_ce) | kd | ce | soft_ce
+    ce_weight: float = 0.1  # kd: weight of the CE on the regenerated token
+    tv_weight: float = 0.9  # kd: weight of the L1 distance to the target's distribution
+    conf_weight: float = 1.0  # the confidence head's BCE (drafters with one), under every loss
     position_decay: float = 4.0  # λ in w_k = exp(-k / λ)
     ttt_steps: int = 7  # eagle3: steps the training-time test unrolls
     ttt_decay: float = 0.8  # eagle3: step weights ttt_decay^k
@@ -78,6 +84,8 @@ class TrainConfig:
             raise DsparkError("no training data: set `data` to a file made by `dspark data regenerate`")
         if self.algorithm not in ALGORITHMS:
             raise DsparkError(f"unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        if self.loss not in LOSSES:
+            raise DsparkError(f"unknown loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
         if self.block_size < 2:
             raise DsparkError(f"block_size must be >= 2, got {self.block_size}")
         if self.anchors_per_seq != ALL_ANCHORS and (not isinstance(self.anchors_per_seq, int)

@@ -92,8 +92,9 @@ def kd_loss_sums(
     confidence logits [N], labels [N] (target ids), weights [N] (w_k of each slot's block position).
 
     CE on the regenerated token, L1 distance ‖p_d − p_t‖₁ to the target distribution, and BCE of
-    the confidence head against c* = 1 − ½‖p_d − p_t‖₁ (detached); EAGLE-3 uses the soft
-    cross-entropy −Σ p_t log p_d instead (reported in the `ce` field). With a reduced vocabulary
+    the confidence head against c* = 1 − ½‖p_d − p_t‖₁ (detached); `soft_ce_weight` > 0 puts the soft
+    cross-entropy −Σ p_t log p_d (EAGLE-3's loss; forward KL up to a constant) in place of the CE on the
+    token, with that weight (reported in the `ce` field). With a reduced vocabulary
     the L1 (and so c*) is exact over the full vocabulary: the target's mass outside counts as
     distance. The cross-entropies cover the draft vocabulary only: a label outside it, or target
     mass outside it, would be an infinite loss with no gradient, and is left out."""
@@ -104,12 +105,11 @@ def kd_loss_sums(
     vocab_size = target.shape[-1] if isinstance(target, torch.Tensor) else None
     target = _dist(target, draft_ids)
     if soft_ce_weight:
-        soft = -(target.p * log_pd).sum(-1)
-        ce = (w * soft).sum()
-        return LossSums(soft_ce_weight * ce, ce, tv, conf)
-    index = draft_index(labels, draft_ids, vocab_size)
-    ce = -log_pd.gather(-1, index.clamp(min=0)[:, None]).squeeze(-1) * (index >= 0)
-    if tv_weight or conf_weight:
+        ce, ce_weight = -(target.p * log_pd).sum(-1), soft_ce_weight
+    else:
+        index = draft_index(labels, draft_ids, vocab_size)
+        ce = -log_pd.gather(-1, index.clamp(min=0)[:, None]).squeeze(-1) * (index >= 0)
+    if tv_weight or (conf_logits is not None and conf_weight):
         l1 = l1_to_target(log_pd, target)
         tv = (w * l1).sum()
         if conf_logits is not None and conf_weight:

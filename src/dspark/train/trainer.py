@@ -40,7 +40,7 @@ from dspark.train.batches import (
     validation_batches,
 )
 from dspark.train.checkpointing import load_checkpoint, save_checkpoint
-from dspark.train.config import ALL_ANCHORS, TrainConfig
+from dspark.train.config import ALL_ANCHORS, DEFAULT_LOSS, TrainConfig
 from dspark.train.interrupt import StopRequest
 from dspark.train.losses import (
     LossSums,
@@ -165,6 +165,7 @@ class Trainer:
             num_anchors=self._num_anchors,
             draft_layer=c.draft_layer,
             draft_vocab_size=c.draft_vocab_size,
+            context_fusion=c.context_fusion,
         )
         torch.manual_seed(c.seed)
         model = DSparkModel(cfg)
@@ -213,15 +214,12 @@ class Trainer:
                             self.autocast)
 
     def loss_sums(self, o: DrafterPass) -> LossSums:
-        c, sup, ids = self.cfg, o.sup, self._draft_ids
+        c, sup = self.cfg, o.sup
         conf = o.conf[sup] if o.conf is not None else None
-        if c.algorithm == "dflash":
-            return kd_loss_sums(o.logits[sup], None, o.target, o.labels[sup], o.w[sup], 1.0, 0.0, 0.0, draft_ids=ids)
-        if c.algorithm == "eagle3":
-            return kd_loss_sums(o.logits[sup], None, o.target, o.labels[sup], o.w[sup], 0.0, 0.0, 0.0,
-                                soft_ce_weight=1.0, draft_ids=ids)
-        return kd_loss_sums(o.logits[sup], conf, o.target, o.labels[sup], o.w[sup], c.ce_weight, c.tv_weight,
-                            c.conf_weight, draft_ids=ids)
+        kind = DEFAULT_LOSS[c.algorithm] if c.loss == "auto" else c.loss
+        ce, tv = {"kd": (c.ce_weight, c.tv_weight), "ce": (1.0, 0.0), "soft_ce": (0.0, 0.0)}[kind]
+        return kd_loss_sums(o.logits[sup], conf, o.target, o.labels[sup], o.w[sup], ce, tv, c.conf_weight,
+                            soft_ce_weight=1.0 if kind == "soft_ce" else 0.0, draft_ids=self._draft_ids)
 
     @property
     def _draft_ids(self) -> torch.Tensor | None:
