@@ -43,10 +43,13 @@ SETS = ("gsm8k", "humaneval", "mt-bench")
 KS = (0, 4096, 8192, 16384)  # 0: the full vocabulary
 
 
-def drafter_for(target, k: int, replies: list[list[int]], layers: int = 1, rank: int = 32, block: int = 8):
-    """A random DSpark drafter (the shipped shape by default) over the top-K tokens of `replies`."""
-    cfg = new_draft_config(target, block_size=block, num_hidden_layers=layers, markov_head_type="vanilla",
-                           markov_rank=rank, enable_confidence_head=True, draft_vocab_size=k)
+def drafter_for(target, k: int, replies: list[list[int]], layers: int = 1, rank: int = 32, block: int = 8,
+                head: str = "vanilla", fusion: str = "shared"):
+    """A random DSpark drafter (the shipped shape by default; `head` "none": DFlash) over the top-K tokens
+    of `replies`."""
+    cfg = new_draft_config(target, block_size=block, num_hidden_layers=layers, markov_head_type=head,
+                           markov_rank=rank, enable_confidence_head=head != "none", draft_vocab_size=k,
+                           context_fusion=fusion)
     torch.manual_seed(0)
     model = DSparkModel(cfg)
     if k:
@@ -68,12 +71,13 @@ def draft_pass_latency(target, drafters: dict, reps: int, context: int = 256, fo
     looked like a first-built-drafter effect of up to ~20%."""
     m = target.model
     ctx = list(range(1000, 1000 + context))
-    taps = None
+    taps = {}  # tapped features of the prompt, per set of tapped layers
     for d in drafters.values():
-        if taps is None:
-            taps = m(torch.tensor([ctx]), m.new_cache(1, context + max(forwards) + 16), taps=d.tap_layers).taps[0]
+        if d.tap_layers not in taps:
+            cache = m.new_cache(1, context + max(forwards) + 16)
+            taps[d.tap_layers] = m(torch.tensor([ctx]), cache, taps=d.tap_layers).taps[0]
         d.begin(ctx)
-        d.observe(ctx, taps)
+        d.observe(ctx, taps[d.tap_layers])
     cache = m.new_cache(1, context + max(forwards) + 16)
     m(torch.tensor([ctx]), cache)
     temps = {"T=0": SamplingParams(temperature=0.0), "T=1": SamplingParams(temperature=1.0)}

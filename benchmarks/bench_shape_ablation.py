@@ -2,8 +2,8 @@
 drafter (configs/dspark-smollm2.toml: 1 layer, Markov rank 32, block 8, one shared projection of 5 tapped
 layers): Markov rank 128 / 256, 2 / 3 draft layers, block 16, DFlare's layer-wise fusion of 9 tapped layers.
 All arms train from scratch on the same batches for the same steps (one joint run, one target pass a step),
-then each final drafter's full-block draft pass is timed round-robin beside the target's forwards (bf16 where
-the CPU has it). The judge is what a round gains against what it costs:
+then a full-block draft pass of each arm's shape is timed round-robin beside the target's forwards (bf16 where
+the CPU has it; freshly initialised drafters: latency does not depend on the weights). The judge is what a round gains against what it costs:
 
     est. speedup = E[τ] · t(1-token forward) / (t(γ+1-token forward) + t(draft pass))
 
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 from ablation import ROOT, arm_config, train_arms, validations
-from bench_draft_vocab import draft_pass_latency
+from bench_draft_vocab import DATA, draft_pass_latency, drafter_for
 
-from dspark.draft.checkpoint import load_drafter_checkpoint
 from dspark.model.loading import load_target
+from dspark.train.data import load_samples
 from dspark.util.platform import cpu_flags
 
 ARMS = {  # arm -> (shipped config, what the arm changes in it)
@@ -60,10 +60,21 @@ def curves(runs: Path, arms: list[str]) -> dict:
     return out
 
 
-def costs(runs: Path, arms: list[str], reps: int) -> dict:
-    """Median ms of each final drafter's full-block pass (T = 0 / T = 1) and of the target's forwards."""
+def shape(arm: str) -> dict:
+    """`drafter_for`'s arguments for the arm's drafter shape."""
+    shipped, overrides = ARMS[arm]
+    return {"layers": overrides.get("layers", 1), "rank": overrides.get("markov_rank", 32),
+            "block": overrides.get("block_size", 8), "fusion": overrides.get("context_fusion", "shared"),
+            "head": "none" if shipped == "dflash" else "vanilla"}
+
+
+def costs(arms: list[str], reps: int) -> dict:
+    """Median ms of a full-block pass (T = 0 / T = 1) of each arm's drafter shape, and of the target's
+    forwards. A pass's latency does not depend on the weights: the drafters are freshly initialised, so
+    the measurement runs on its own, with nothing else on the CPU."""
     target = load_target(None, dtype="auto")
-    drafters = {arm: load_drafter_checkpoint(runs / arm / "final", target) for arm in arms}
+    replies = [s.response_ids for s in load_samples(DATA)]  # picks the K draft tokens; latency is the same
+    drafters = {arm: drafter_for(target, 8192, replies, **shape(arm)) for arm in arms}
     sizes = sorted({1} | {d.block_size + 1 for d in drafters.values()})
     ms = draft_pass_latency(target, drafters, reps, forwards=sizes)
     params = {arm: sum(p.numel() for p in d.model.parameters()) / 1e6 for arm, d in drafters.items()}
@@ -127,7 +138,8 @@ def main() -> int:
     ap.add_argument("--anchors", type=int, default=32, help="anchors sampled per reply")
     ap.add_argument("--reps", type=int, default=30, help="timed rounds of the cost measurement")
     ap.add_argument("--resume", action="store_true", help="continue the runs in RUNS")
-    ap.add_argument("--report-only", action="store_true", help="the runs are finished: measure costs and report")
+    ap.add_argument("--report-only", action="store_true",
+                    help="train no more: measure costs and report the runs' last validations (a stopped run's too)")
     args = ap.parse_args()
     arms = args.arms.split(",")
     unknown = sorted(set(arms) - set(ARMS))
@@ -136,7 +148,7 @@ def main() -> int:
     if not args.report_only:
         train_arms(configs(args.runs, arms, args.steps, args.batch, args.anchors), args.resume)
     torch.set_num_threads(2)
-    curve, cost = curves(args.runs, arms), costs(args.runs, arms, args.reps)
+    curve, cost = curves(args.runs, arms), costs(arms, args.reps)
     rows = judge(curve, cost, arms)
     command = "python benchmarks/bench_shape_ablation.py " + " ".join(sys.argv[1:])
     args.results.mkdir(parents=True, exist_ok=True)
