@@ -71,14 +71,14 @@ def draft_pass_latency(target, drafters: dict, reps: int, context: int = 256, fo
     looked like a first-built-drafter effect of up to ~20%."""
     m = target.model
     ctx = list(range(1000, 1000 + context))
+    capacity = context + max(forwards) + 16
     taps = {}  # tapped features of the prompt, per set of tapped layers
     for d in drafters.values():
         if d.tap_layers not in taps:
-            cache = m.new_cache(1, context + max(forwards) + 16)
-            taps[d.tap_layers] = m(torch.tensor([ctx]), cache, taps=d.tap_layers).taps[0]
+            taps[d.tap_layers] = m(torch.tensor([ctx]), m.new_cache(1, capacity), taps=d.tap_layers).taps[0]
         d.begin(ctx)
         d.observe(ctx, taps[d.tap_layers])
-    cache = m.new_cache(1, context + max(forwards) + 16)
+    cache = m.new_cache(1, capacity)
     m(torch.tensor([ctx]), cache)
     temps = {"T=0": SamplingParams(temperature=0.0), "T=1": SamplingParams(temperature=1.0)}
 

@@ -95,7 +95,7 @@ class DraftConfig:
         if self.context_fusion not in CONTEXT_FUSIONS:
             raise DsparkError(f"unknown context fusion {self.context_fusion!r}; choose one of "
                               f"{', '.join(CONTEXT_FUSIONS)}")
-        if self.context_fusion != "shared" and (self.kind != "dspark" or self.draft_layer != "qwen3"):
+        if self.layerwise_fusion and (self.kind != "dspark" or self.draft_layer != "qwen3"):
             raise DsparkError("layer-wise context fusion is for DSpark / DFlash drafters with Qwen3-style layers")
         if self.block_size < 2:
             raise DsparkError(f"block size must be >= 2, got {self.block_size}")
@@ -124,6 +124,11 @@ class DraftConfig:
     @property
     def has_sequential_head(self) -> bool:
         return self.markov_head_type != "none"
+
+    @property
+    def layerwise_fusion(self) -> bool:
+        """Each draft layer mixes the taps its own way (DFlare) instead of reading one shared projection."""
+        return self.context_fusion == "layerwise"
 
     @property
     def head_rank(self) -> int:
@@ -173,7 +178,7 @@ class DraftConfig:
             num_anchors=self.num_anchors,
             draft_vocab_size=self.draft_vocab_size or t.vocab_size,  # EAGLE-3 / DeepSpec: V when not reduced
         )
-        if self.context_fusion != "shared":  # dspark's own field; absent = DeepSpec's shared projection
+        if self.layerwise_fusion:  # dspark's own field; absent = DeepSpec's shared projection
             d["context_fusion"] = self.context_fusion
         if not self.has_sequential_head:
             d.pop("markov_head_type")  # DeepSpec writes the head type only with a head (rank > 0)

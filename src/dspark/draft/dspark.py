@@ -35,7 +35,7 @@ class DSparkModel(DraftModelBase):
         super().__init__(cfg)
         t = cfg.target
         H = t.hidden_size
-        if cfg.context_fusion == "layerwise":  # per draft layer, softmax weights over the tapped layers
+        if cfg.layerwise_fusion:  # per draft layer, softmax weights over the tapped layers
             self.layer_fusion_weights = nn.Parameter(torch.empty(cfg.num_hidden_layers, len(cfg.target_layer_ids)))
         else:
             self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
@@ -55,7 +55,7 @@ class DSparkModel(DraftModelBase):
         """HF-style init; layer-wise fusion weights as DFlare starts them: draft layer i of D puts logit 2
         on tapped layer ⌊i·m / D⌋ of m (its share of the depth), 0 on the others."""
         super().reset_parameters(std)
-        if self.cfg.context_fusion == "layerwise":
+        if self.cfg.layerwise_fusion:
             D, m = self.layer_fusion_weights.shape
             with torch.no_grad():
                 self.layer_fusion_weights.zero_()
@@ -67,7 +67,7 @@ class DSparkModel(DraftModelBase):
         """Tapped target features [..., m, H] -> context features H_ctx: [..., H] (shared fusion) or
         [..., D, H], one per draft layer (layer-wise)."""
         taps = taps.to(self.dtype)
-        if self.cfg.context_fusion == "layerwise":
+        if self.cfg.layerwise_fusion:
             mix = torch.softmax(self.layer_fusion_weights.float(), dim=-1).to(self.dtype)  # [D, m]
             return self.hidden_norm(torch.einsum("...mh,dm->...dh", taps, mix))
         return self.hidden_norm(self.fc(taps.flatten(-2)))
@@ -76,7 +76,7 @@ class DSparkModel(DraftModelBase):
         """Per draft layer, keys and values [B, nkv, n, hd] of context features ctx from `context` ([B, n, H]
         or [B, n, D, H])."""
         cos, sin = self.rope(pos)
-        layerwise = self.cfg.context_fusion == "layerwise"
+        layerwise = self.cfg.layerwise_fusion
         return [layer.self_attn.keys_values(ctx[..., i, :] if layerwise else ctx, cos, sin)
                 for i, layer in enumerate(self.layers)]
 

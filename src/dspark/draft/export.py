@@ -97,7 +97,7 @@ def check_exportable(path: Path, cfg: DraftConfig) -> None:
             "llama.cpp load only Qwen3-style DSpark / DFlash layers. Train a drafter made by `dspark draft init` "
             "(Qwen3-style layers by default) to export it."
         )
-    if cfg.context_fusion != "shared":
+    if cfg.layerwise_fusion:
         raise DsparkError(
             f"{path} fuses the target's features layer by layer (context_fusion = {cfg.context_fusion}, DFlare's "
             "form): DeepSpec, vLLM, speculators and llama.cpp load only the shared `fc` projection. Use the drafter "

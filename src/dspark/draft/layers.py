@@ -48,7 +48,7 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(d_in, self.nkv * self.hd, bias=cfg.layer_qkv_bias)
         self.v_proj = nn.Linear(d_in, self.nkv * self.hd, bias=cfg.layer_qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, t.hidden_size, bias=cfg.layer_o_bias)
-        self.own_context_projections = cfg.context_fusion == "layerwise"
+        self.own_context_projections = cfg.layerwise_fusion
         if self.own_context_projections:  # DFlare: the context's keys / values get projections of their own
             self.k_proj_target = nn.Linear(d_in, self.nkv * self.hd, bias=cfg.layer_qkv_bias)
             self.v_proj_target = nn.Linear(d_in, self.nkv * self.hd, bias=cfg.layer_qkv_bias)
