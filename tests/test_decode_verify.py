@@ -81,7 +81,8 @@ def test_nucleus_shortcut_equals_the_full_sort():
     from dspark.sampling import SamplingParams, probs_from_logits
 
     gen = torch.Generator().manual_seed(0)
-    for scale in (0.3, 1.0, 4.0):  # flat rows need the 4096 tier or the full sort; peaked ones not
+    scales = (0.3, 1.0, 4.0, torch.tensor([[4.0], [0.3], [1.0], [4.0], [0.3], [8.0]]))
+    for scale in scales:  # flat rows need the 4096 tier or the full sort, peaked ones not; mixed in one batch
         logits = scale * torch.randn(6, 49152, generator=gen)
         for top_p in (0.5, 0.9, 0.99):
             got = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=top_p))

@@ -3,6 +3,7 @@ resume after kills at every point of a seal, and regeneration / training on a st
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -189,3 +190,31 @@ def test_training_reads_a_store(tiny_target, tmp_path):
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
     last = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()][-1]["val"]
     assert len(last["alpha_greedy"]) == 4 and 1 <= last["expected_tau_greedy"] <= 5
+
+
+def test_a_second_writer_process_is_refused_and_a_doubled_journal_is_repaired(tmp_path):
+    """Two regenerations into one store would answer the same prompts twice: while one process
+    writes, another is refused with a clear error; a journal that holds a reply twice (written
+    before the lock existed) keeps its first copy."""
+    import subprocess
+    import sys
+
+    recs = _records(3)
+    root = tmp_path / "s"
+    store = ShardStore(root, SETTINGS, shard_size=10)
+    for r in recs[:2]:
+        store.add(r)
+    code = ("import sys; from dspark.train.shards import ShardStore; from dspark.errors import DsparkError\n"
+            f"try:\n    ShardStore({str(root)!r}, {SETTINGS!r})\nexcept DsparkError as e:\n"
+            "    print(e); sys.exit(3)\n")
+    other = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert other.returncode == 3 and "another process" in other.stdout and str(os.getpid()) in other.stdout
+    assert ShardStore(root).records() == []  # readers are never refused
+
+    with open(root / PENDING, "a") as f:
+        f.write(json.dumps(recs[0]) + "\n" + json.dumps(recs[2]) + "\n")
+    reopened = ShardStore(root, SETTINGS, shard_size=10)
+    assert [r["id"] for r in reopened.pending] == ["s0", "s1", "s2"]
+    assert (root / PENDING).read_text().count('"s0"') == 1
+    reopened.seal()
+    assert ShardStore(root).records() == recs

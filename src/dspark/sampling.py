@@ -51,20 +51,28 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest most-likely prefix whose mass reaches top_p (the top token always survives).
 
-    Sorting a whole vocabulary row is slow on CPU (~5 ms for 49k entries), so the prefix is first
-    searched among the top 256, then 4096 entries; when their mass reaches top_p the nucleus lies
-    inside them and the result equals the full sort's."""
+    Sorting a whole vocabulary row is slow on CPU (~5 ms for 49k entries), so each row's prefix is
+    first searched among its top 256, then 4096 entries; where their mass reaches top_p the nucleus
+    lies inside them and the result equals the full sort's. Rows move to a larger tier alone, so one
+    flat row does not make a batch of peaked ones sort more."""
     V = probs.shape[-1]
+    flat = probs.reshape(-1, V)
+    keep = torch.zeros_like(flat, dtype=torch.bool)
+    todo = torch.arange(flat.shape[0])
     for k in (256, 4096, V):
+        rows = flat[todo]
         if k >= V:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
+            sorted_p, order = rows.sort(dim=-1, descending=True)
+            found = torch.ones(len(todo), dtype=torch.bool)
+        else:
+            sorted_p, order = rows.topk(k, dim=-1)
+            found = sorted_p.sum(-1) >= top_p
+        keep_sorted = (sorted_p[found].cumsum(-1) - sorted_p[found]) < top_p
+        keep[todo[found]] = keep[todo[found]].scatter_(-1, order[found], keep_sorted)
+        todo = todo[~found]
+        if not len(todo):
             break
-        sorted_p, order = probs.topk(k, dim=-1)
-        if bool((sorted_p.sum(-1) >= top_p).all()):
-            break
-    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
-    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep_sorted)
-    probs = probs.masked_fill(~keep, 0.0)
+    probs = probs.masked_fill(~keep.view_as(probs), 0.0)
     return probs / probs.sum(-1, keepdim=True)
 
 

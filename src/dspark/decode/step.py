@@ -282,9 +282,15 @@ class DecodeStep:
         target_probs = torch.empty(R, L + 1, V)
         sampled = any(b is not None and b.probs is not None for _, b, _, ell, _ in chains if ell)
         draft_probs = torch.empty(R, L, V) if sampled else None
+        for params, members in _by_params(chains).items():  # one call per setting: its rows' ops batch
+            probs = probs_from_logits(torch.cat([chains[i][4] for i in members]), params)
+            at = 0
+            for i in members:
+                n = chains[i][3] + 1
+                target_probs[i, :n] = probs[at : at + n]
+                at += n
         for i, (r, blk, d, ell, logits) in enumerate(chains):
             tokens[i, :ell] = torch.tensor(d[:ell], dtype=torch.long)
-            target_probs[i, : ell + 1] = probs_from_logits(logits, r.params)
             uniforms[i, : ell + 1] = torch.rand(ell + 1, generator=r.generator)
             if draft_probs is not None and ell:
                 if blk.probs is not None:
@@ -295,3 +301,11 @@ class DecodeStep:
         lengths = torch.tensor([ell for _, _, _, ell, _ in chains])
         accepted, nxt = verify_chains(tokens, draft_probs, target_probs, lengths, uniforms)
         return accepted.tolist(), nxt.tolist()
+
+
+def _by_params(chains) -> dict[SamplingParams, list[int]]:
+    """The chains' indices grouped by their rows' sampling settings."""
+    groups: dict[SamplingParams, list[int]] = {}
+    for i, chain in enumerate(chains):
+        groups.setdefault(chain[0].params, []).append(i)
+    return groups

@@ -8,16 +8,19 @@
                               where each sample starts; `prompt_lens` (int32, N); metadata `ids` and
                               `finish_reasons` (JSON lists)
     <dir>/pending.jsonl       finished replies not yet sealed (local work in progress; not committed)
+    <dir>/writer.lock         held (flock) by the one process appending to the store (not committed)
 
 A shard is written once and never changed, so a growing store commits as new files of bounded size
 and one replaced manifest. Readers see only sealed shards, each checked against its sha256, so
 training refuses data that changed under it. A kill loses nothing: pending replies survive in the
 journal, a shard written but not yet in the manifest is rewritten, and replies already sealed are
-dropped from the journal when it is read back.
+dropped from the journal when it is read back. One writer at a time: a second regeneration into
+the same store is refused while the first runs (two would answer the same prompts twice).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -33,6 +36,8 @@ from dspark.util.journal import json_digest, read_records
 FORMAT = "dspark-regen-shards/1"
 MANIFEST = "manifest.json"
 PENDING = "pending.jsonl"
+LOCK = "writer.lock"
+_WRITER_LOCKS: dict[Path, object] = {}  # store root -> its lock file, held by this process
 
 
 def is_store(path: str | Path) -> bool:
@@ -83,7 +88,29 @@ class ShardStore:
         self._sealed_ids: set[str] | None = None
         self.pending: list[dict] = []
         if settings is not None:
+            self._take_writer_lock()
             self._read_pending()
+
+    def _take_writer_lock(self) -> None:
+        """Hold the store's writer lock for the rest of this process (the OS drops it when the process
+        ends); a second process that asks for it is refused."""
+        key = self.root.resolve()
+        if key in _WRITER_LOCKS:
+            return
+        f = open(self.root / LOCK, "a+", encoding="utf-8")  # noqa: SIM115 (held until the process ends)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            f.close()
+            raise DsparkError(f"another process (pid {holder}) is writing to {self.root}; wait for it to "
+                              "finish or stop it, then rerun to resume") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        _WRITER_LOCKS[key] = f
 
     # ---- reading ---------------------------------------------------------------------------------
     @property
@@ -137,9 +164,13 @@ class ShardStore:
         records, bad_line = read_records(path, cut=True)
         if bad_line is not None or not all(isinstance(r, dict) and "id" in r for r in records):
             raise DsparkError(f"{path}:{bad_line or '?'}: not a regeneration record; fix or delete the file")
-        sealed = self.sealed_ids()
-        self.pending = [r for r in records if r["id"] not in sealed]
-        if len(self.pending) != len(records):  # killed after sealing, before the journal was cleared
+        seen = set(self.sealed_ids())
+        self.pending = []
+        for r in records:  # sealed ones: killed after sealing, before the journal was cleared
+            if r["id"] not in seen:
+                seen.add(r["id"])
+                self.pending.append(r)
+        if len(self.pending) != len(records):
             self._rewrite_pending()
 
     def _rewrite_pending(self) -> None:
