@@ -34,46 +34,51 @@ class SamplingParams:
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """fp32 probabilities over the last dim; one-hot argmax when greedy."""
-    logits = logits.float()
+    """fp32 probabilities over the last dim; one-hot argmax when greedy. (In-place steps on fresh
+    tensors: a batch's [rows, V] temporaries cost more in first-touch page faults than in arithmetic.)"""
     if params.greedy:
+        logits = logits.float()
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / params.temperature
+    logits = logits.to(torch.float32, copy=True).div_(params.temperature)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+        logits.masked_fill_(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).contiguous()
     if params.top_p < 1.0:
-        probs = _nucleus(probs, params.top_p)
+        _nucleus_(probs, params.top_p)
     return probs
 
 
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest most-likely prefix whose mass reaches top_p (the top token always survives).
+def _nucleus_(probs: torch.Tensor, top_p: float) -> None:
+    """Keep the smallest most-likely prefix whose mass reaches top_p (the top token always survives),
+    renormalised, in place.
 
     Sorting a whole vocabulary row is slow on CPU (~5 ms for 49k entries), so each row's prefix is
     first searched among its top 256, then 4096 entries; where their mass reaches top_p the nucleus
     lies inside them and the result equals the full sort's. Rows move to a larger tier alone, so one
     flat row does not make a batch of peaked ones sort more."""
     V = probs.shape[-1]
-    flat = probs.reshape(-1, V)
+    flat = probs.view(-1, V)
     keep = torch.zeros_like(flat, dtype=torch.bool)
-    todo = torch.arange(flat.shape[0])
+    todo = None  # the rows still searching (None: all of them)
     for k in (256, 4096, V):
-        rows = flat[todo]
+        rows = flat if todo is None else flat[todo]
         if k >= V:
             sorted_p, order = rows.sort(dim=-1, descending=True)
-            found = torch.ones(len(todo), dtype=torch.bool)
+            found = torch.ones(rows.shape[0], dtype=torch.bool)
         else:
             sorted_p, order = rows.topk(k, dim=-1)
             found = sorted_p.sum(-1) >= top_p
-        keep_sorted = (sorted_p[found].cumsum(-1) - sorted_p[found]) < top_p
-        keep[todo[found]] = keep[todo[found]].scatter_(-1, order[found], keep_sorted)
-        todo = todo[~found]
-        if not len(todo):
+        kept = ((sorted_p.cumsum(-1) - sorted_p) < top_p) & found[:, None]  # rows not found keep nothing yet
+        if todo is None:
+            keep.scatter_(-1, order, kept)
+        else:
+            keep[todo] |= torch.zeros(len(todo), V, dtype=torch.bool).scatter_(-1, order, kept)
+        if bool(found.all()):
             break
-    probs = probs.masked_fill(~keep.view_as(probs), 0.0)
-    return probs / probs.sum(-1, keepdim=True)
+        todo = (~found).nonzero().squeeze(1) if todo is None else todo[~found]
+    flat.masked_fill_(~keep, 0.0)
+    flat.div_(flat.sum(-1, keepdim=True))
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
