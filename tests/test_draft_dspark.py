@@ -121,3 +121,24 @@ def test_inference_rope_table_equals_the_computed_values(tiny_loaded, dtype):
         for a, b in zip(looked_up, model.rope(pos)):  # outside inference mode: computed
             assert a.dtype == dtype and a.shape == (pos.shape[0], 1, pos.shape[1], a.shape[-1])
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_confidence_bce_reaches_the_backbone_unless_the_head_trains_alone(tiny_loaded, detach):
+    """DeepSpec lets the confidence BCE train what the head reads (h, W1[prev]); with `detach_inputs`
+    (training option conf_into_backbone = false) it trains the confidence head's own weights alone."""
+    _, target = tiny_loaded[0]
+    drafter = make_random_dspark(target, "vanilla", block_size=4, layers=1)
+    model = drafter.model.float().train().requires_grad_(True)
+    model.confidence_head.detach_inputs = detach
+    tokens = torch.randint(target.cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        out = target.model(torch.tensor([tokens]), target.model.new_cache(1, len(tokens)), taps=drafter.tap_layers)
+    _, conf = model.forward_train(out.taps.clone(), torch.tensor([tokens]), torch.tensor([[2, 9, 15]]),
+                                  target.model.embed_tokens, target.model.lm_head)
+    torch.nn.functional.binary_cross_entropy_with_logits(conf, torch.full_like(conf, 0.7)).backward()
+    grads = {n: p.grad is not None and bool(p.grad.abs().sum() > 0) for n, p in model.named_parameters()}
+    assert all(g for n, g in grads.items() if n.startswith("confidence_head."))
+    others = [n for n, g in grads.items() if g and not n.startswith("confidence_head.")]
+    assert (others == []) if detach else any(n.startswith("layers.") for n in others) and any(
+        n.startswith("markov_head.") for n in others)

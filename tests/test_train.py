@@ -276,7 +276,10 @@ def test_a_run_begun_with_the_target_shaped_layer_resumes_only_as_such(tiny_run,
     Trainer(dataclasses.replace(cfg, steps=2), progress=False).run()
     state = tmp_path / "old" / "checkpoint" / "state.json"
     saved = json.loads(state.read_text())
-    del saved["config"]["draft_layer"], saved["config"]["confidence_head_with_markov"]  # as written before
+    from dspark.train.checkpointing import ADDED_OPTIONS
+
+    for option in ADDED_OPTIONS:  # as written before any of them existed: each resumes at its old value
+        del saved["config"][option]
     state.write_text(json.dumps(saved))
     with pytest.raises(DsparkError, match="draft_layer: 'target' -> 'qwen3'.*--set draft_layer=target"):
         Trainer(dataclasses.replace(cfg, draft_layer="qwen3"), resume=True, progress=False)
@@ -428,3 +431,32 @@ def test_joint_training_shares_the_target_pass_and_follows_each_solo_run(tiny_ru
         JointTrainer([cfgs[0], dataclasses.replace(cfgs[1], seed=1)])
     with pytest.raises(DsparkError, match="its own run directory"):
         JointTrainer([cfgs[0], dataclasses.replace(cfgs[1], out=cfgs[0].out)])
+
+
+def test_several_data_sources_train_together_and_hold_out_by_prompt(tiny_run, tmp_path):
+    """`data` may list several regenerated sets (a second reply per prompt): their samples train
+    together, and the validation split holds out prompts, so both replies to a held-out prompt are
+    held out. From the command line: `--data A --data B` (a JSON list through --set)."""
+    from dspark.train.batches import split_data
+
+    model_dir, data, target = tiny_run
+    second = tmp_path / "second.jsonl"
+    lines = [json.loads(line) for line in data.read_text().splitlines()]
+    second.write_text("".join(json.dumps({**r, "response_ids": r["response_ids"][::-1]}) + "\n" for r in lines))
+    one = split_data(_cfg(tiny_run, tmp_path / "one"), target.cfg.vocab_size)
+    cfg = load_config(None, [f"data={json.dumps([str(data), str(second)])}", f"target={model_dir}"])
+    assert cfg.data_paths == [str(data), str(second)]
+    both = split_data(dataclasses.replace(_cfg(tiny_run, tmp_path / "both"), data=cfg.data), target.cfg.vocab_size)
+    for single, double in zip(one, both):
+        assert sorted(s.id for s in double) == sorted(2 * [s.id for s in single])
+    assert {s.id for s in both[0]}.isdisjoint(s.id for s in both[1])
+    assert load_config(None, [f"data={json.dumps([str(data)])}"]).data == str(data)  # one path stays a path
+    for bad in ("[1, 2]", "[not json"):
+        with pytest.raises(DsparkError, match="option 'data'"):
+            load_config(None, [f"data={bad}"])
+
+
+def test_confidence_head_trains_alone_when_asked(tiny_run, tmp_path):
+    trainer = Trainer(_cfg(tiny_run, tmp_path / "alone", conf_into_backbone=False), progress=False)
+    assert trainer.model.confidence_head.detach_inputs
+    assert not Trainer(_cfg(tiny_run, tmp_path / "joint"), progress=False).model.confidence_head.detach_inputs

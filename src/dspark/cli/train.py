@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 from dspark.cli.common import positive_int
@@ -23,7 +24,9 @@ def add_parsers(sub) -> None:
                     "batches, sharing one target pass per step (same data, seed, steps, batch and anchors)")
     tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override an option (repeatable), e.g. --set steps=200 --set lr=3e-4")
-    tr.add_argument("--data", default=None, help="regenerated JSONL (overrides the config)")
+    tr.add_argument("--data", action="append", default=None, help=(
+        "regenerated data, a JSONL file or a shard store; repeat it to train on several together, e.g. a second "
+        "reply per prompt (overrides the config's `data`)"))
     tr.add_argument("--out", default=None, help="run directory (overrides the config)")
     tr.add_argument("--steps", type=positive_int, default=None, help="total optimiser steps (overrides the config)")
     tr.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
@@ -40,7 +43,9 @@ def cmd_train(args) -> int:
     if len(configs) > 1 and args.out is not None:
         raise DsparkError("--out names one run directory; with several --config set `out` in each file")
     overrides = list(args.set)
-    for key in ("data", "out", "steps"):
+    if args.data:
+        overrides.append(f"data={json.dumps(args.data)}")
+    for key in ("out", "steps"):
         if getattr(args, key) is not None:
             overrides.append(f"{key}={getattr(args, key)}")
     cfgs = [load_config(path, overrides) for path in configs]

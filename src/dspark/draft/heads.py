@@ -80,8 +80,11 @@ class ConfidenceHead(nn.Module):
         super().__init__()
         self.with_markov = with_markov
         self.proj = nn.Linear(hidden_size + (rank if with_markov else 0), 1)
+        self.detach_inputs = False  # training: the BCE trains this head alone, not the h and W1 it reads
 
     def forward(self, h: torch.Tensor, prev_embed: torch.Tensor | None) -> torch.Tensor:
         """`prev_embed` (W1[prev], or None without a sequential head) is read only `with_markov`."""
         x = torch.cat([h, prev_embed.to(h.dtype)], dim=-1) if self.with_markov else h
+        if self.detach_inputs:
+            x = x.detach()
         return self.proj(x).squeeze(-1)

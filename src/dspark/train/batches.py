@@ -36,8 +36,9 @@ def sample_anchors(sample: Sample, max_seq_len: int, count: int | str, gen: torc
 
 
 def split_data(cfg: TrainConfig, vocab_size: int) -> tuple[list[Sample], list[Sample]]:
-    """(training samples, validation samples) of `cfg.data` (and `cfg.val_data` when given)."""
-    keep = _load_data(cfg.data, cfg.max_seq_len, vocab_size)
+    """(training samples, validation samples) of `cfg.data` (and `cfg.val_data` when given). The
+    id-hash split holds out prompts, so every reply to a held-out prompt is held out, in every source."""
+    keep = [s for path in cfg.data_paths for s in _load_data(path, cfg.max_seq_len, vocab_size)]
     train_set = [s for s in keep if not is_validation(s.id, cfg.val_fraction)]
     val_set = [s for s in keep if is_validation(s.id, cfg.val_fraction)]
     if cfg.val_data:
@@ -45,7 +46,7 @@ def split_data(cfg: TrainConfig, vocab_size: int) -> tuple[list[Sample], list[Sa
         held_out = {s.id for s in val_set}
         train_set = [s for s in train_set if s.id not in held_out]
     if not train_set:
-        raise DsparkError(f"{cfg.data}: no training samples left after the validation split")
+        raise DsparkError(f"{', '.join(cfg.data_paths)}: no training samples left after the validation split")
     return train_set, val_set[: cfg.val_max_samples]
 
 

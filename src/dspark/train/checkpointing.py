@@ -20,7 +20,8 @@ RESUMABLE_CHANGES = {"steps", "checkpoint_every", "eval_every", "threads", "out"
                      "val_data", "val_max_samples", "checkpoint_dtype"}
 # what runs saved before an option existed had
 ADDED_OPTIONS = {"draft_layer": "target", "confidence_head_with_markov": True, "draft_vocab_size": 0, "anchor_chunk": 64,
-                 "val_data": "", "checkpoint_dtype": "float32"}
+                 "val_data": "", "checkpoint_dtype": "float32", "loss": "auto", "context_fusion": "shared",
+                 "conf_into_backbone": True}
 
 
 def save_checkpoint(path: Path, cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -69,5 +70,5 @@ def _check_resumable(path: Path, cfg: TrainConfig, state: dict, fingerprint: str
                           "options back (e.g. --set draft_layer=target for a run begun before dspark used "
                           "DeepSpec's draft layer) or start a new run")
     if state.get("data_fingerprint") not in (None, fingerprint):
-        raise DsparkError(f"cannot resume {path}: {cfg.data} changed since the checkpoint (different "
+        raise DsparkError(f"cannot resume {path}: {', '.join(cfg.data_paths)} changed since the checkpoint (different "
                           "samples would be drawn); restore the file or start a new run")

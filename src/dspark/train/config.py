@@ -29,7 +29,9 @@ CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclasses.dataclass
 class TrainConfig:
-    data: str = ""  # regenerated data (`dspark data regenerate`): a JSONL file or a shard store directory
+    # regenerated data (`dspark data regenerate`): a JSONL file or a shard store directory, or a list of
+    # them (e.g. stores of a second reply per prompt, another seed): their samples together
+    data: str | list[str] = ""
     val_data: str = ""  # held-out regenerated data to validate on; "" = the id-hash split of `data`
     out: str = "runs/drafter"  # run directory: checkpoint/, final/, log.jsonl, curves.png
     algorithm: str = "dspark"  # dspark (heads) | dflash (backbone only, CE) | eagle3
@@ -68,6 +70,9 @@ class TrainConfig:
     ce_weight: float = 0.1  # kd: weight of the CE on the regenerated token
     tv_weight: float = 0.9  # kd: weight of the L1 distance to the target's distribution
     conf_weight: float = 1.0  # the confidence head's BCE (drafters with one), under every loss
+    # the BCE's gradient also reaches the block backbone and the Markov embeddings it reads (DeepSpec);
+    # false: it trains the confidence head alone
+    conf_into_backbone: bool = True
     position_decay: float = 4.0  # λ in w_k = exp(-k / λ)
     ttt_steps: int = 7  # eagle3: steps the training-time test unrolls
     ttt_decay: float = 0.8  # eagle3: step weights ttt_decay^k
@@ -80,7 +85,7 @@ class TrainConfig:
     threads: int = 0  # 0 = torch default
 
     def validate(self) -> "TrainConfig":
-        if not self.data:
+        if not self.data_paths:
             raise DsparkError("no training data: set `data` to a file made by `dspark data regenerate`")
         if self.algorithm not in ALGORITHMS:
             raise DsparkError(f"unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
@@ -119,6 +124,10 @@ class TrainConfig:
             raise DsparkError(f"lr must be > 0, got {self.lr}")
         return self
 
+    @property
+    def data_paths(self) -> list[str]:
+        return [self.data] if isinstance(self.data, str) and self.data else [p for p in self.data if p]
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -133,6 +142,8 @@ def _coerce(name: str, value: Any) -> Any:
     default = TrainConfig().__getattribute__(name)
     if name == "anchors_per_seq" and value == ALL_ANCHORS:
         return value
+    if name == "data":
+        return _data_paths(value)
     try:
         if isinstance(value, str) and not isinstance(default, str):
             value = json.loads(value.lower() if isinstance(default, bool) else value)
@@ -152,6 +163,20 @@ def _coerce(name: str, value: Any) -> Any:
     except (ValueError, TypeError, json.JSONDecodeError):
         raise DsparkError(f"option {name!r}: cannot use {value!r} (expected {type(default).__name__})") from None
     return value
+
+
+def _data_paths(value: Any) -> str | list[str]:
+    """`data`: one path, or a list of them (TOML / YAML list, or a JSON list through --set)."""
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise DsparkError(f"option 'data': cannot parse {value!r} as a JSON list of paths") from None
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return value
+    raise DsparkError(f"option 'data': expected a path or a list of paths, got {value!r}")
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:

@@ -91,6 +91,8 @@ class Trainer:
         self.order = DataOrder(cfg, self.train_set)
 
         self.model = self._build_model().to(self.device)
+        if getattr(self.model, "confidence_head", None) is not None:
+            self.model.confidence_head.detach_inputs = not self.cfg.conf_into_backbone
         self.target.model.to(self.device)
         self.taps = tuple(self.model.cfg.target_layer_ids)
         self.slots = self.model.train_slots  # predictions per anchor: block slots or TTT steps
