@@ -12,7 +12,7 @@ with E[τ] the validation expected accepted length at T = 0 (and T = 1) over the
     python benchmarks/bench_shape_ablation.py --runs runs/shape-ablation --steps 450 [--resume]
     python benchmarks/bench_shape_ablation.py --runs runs/shape-ablation --steps 450 --report-only
 
-Writes RESULTS/shape_ablation.{json,md,png} (default benchmarks/results/ablations); the runs (final
+Writes RESULTS/NAME.{json,md,png} (NAME default shape_ablation) (default benchmarks/results/ablations); the runs (final
 drafters, logs, resume checkpoints) stay in RUNS.
 """
 
@@ -39,7 +39,8 @@ ARMS = {  # arm -> (shipped config, what the arm changes in it)
     "layers3": ("dspark", {"layers": 3}),
     "block16": ("dspark", {"block_size": 16}),
     "layerwise": ("dspark", {"context_fusion": "layerwise"}),
-    "noconf": ("dspark", {"conf_weight": 0.0}),  # item 1: the confidence head's BCE kept off the backbone
+    "noconf": ("dspark", {"conf_weight": 0.0}),  # item 1: no confidence BCE at all
+    "confalone": ("dspark", {"conf_into_backbone": False}),  # item 1: the BCE trains the confidence head alone
     "dflash": ("dflash", {}),  # item 1: the DFlash baseline at the same budget
 }
 
@@ -132,6 +133,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=Path, required=True, help="directory of the arms' runs (not committed)")
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "ablations")
+    ap.add_argument("--name", default="shape_ablation", help="results file stem (a second run keeps the first's)")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
     ap.add_argument("--steps", type=int, default=450, help="optimiser steps of every arm")
     ap.add_argument("--batch", type=int, default=8, help="replies a step")
@@ -152,11 +154,11 @@ def main() -> int:
     rows = judge(curve, cost, arms)
     command = "python benchmarks/bench_shape_ablation.py " + " ".join(sys.argv[1:])
     args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "shape_ablation.json").write_text(json.dumps(
+    (args.results / f"{args.name}.json").write_text(json.dumps(
         {"command": command, "machine": {"flags": cpu_flags(), "threads": 2}, "cost_ms": cost, "arms": rows,
          "curves": curve}, indent=1) + "\n")
-    (args.results / "shape_ablation.md").write_text(markdown(rows, cost, command))
-    plot(curve, rows, args.results / "shape_ablation.png")
+    (args.results / f"{args.name}.md").write_text(markdown(rows, cost, command))
+    plot(curve, rows, args.results / f"{args.name}.png")
     print(markdown(rows, cost, command))
     return 0
 
