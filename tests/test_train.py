@@ -460,3 +460,20 @@ def test_confidence_head_trains_alone_when_asked(tiny_run, tmp_path):
     trainer = Trainer(_cfg(tiny_run, tmp_path / "alone", conf_into_backbone=False), progress=False)
     assert trainer.model.confidence_head.detach_inputs
     assert not Trainer(_cfg(tiny_run, tmp_path / "joint"), progress=False).model.confidence_head.detach_inputs
+
+
+@pytest.mark.parametrize("algorithm,autocast", [("dspark", "off"), ("dspark", "bf16"), ("eagle3", "off")])
+def test_a_bf16_teacher_trains_every_drafter(tiny_run, tmp_path, algorithm, autocast):
+    """target_dtype = bfloat16 runs the frozen target in bf16 (its taps, distributions, embeddings
+    and LM head) under an fp32 or autocast drafter; the run learns and validates."""
+    cfg = _cfg(tiny_run, tmp_path / "bf16", algorithm=algorithm, autocast=autocast, target_dtype="bfloat16",
+               steps=24, eval_every=12, checkpoint_every=12)
+    trainer = Trainer(cfg, progress=False)
+    assert trainer.target.model.dtype == torch.bfloat16
+    trainer.run()
+    train, val = _log(tmp_path / "bf16")
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in train)
+    assert sum(r["loss"] for r in train[-4:]) < sum(r["loss"] for r in train[:4])
+    assert val[-1]["val"]["expected_tau"] >= 1.0
+    with pytest.raises(DsparkError, match="target_dtype must be"):
+        dataclasses.replace(cfg, target_dtype="fp8").validate()

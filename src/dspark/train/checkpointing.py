@@ -21,7 +21,7 @@ RESUMABLE_CHANGES = {"steps", "checkpoint_every", "eval_every", "threads", "out"
 # what runs saved before an option existed had
 ADDED_OPTIONS = {"draft_layer": "target", "confidence_head_with_markov": True, "draft_vocab_size": 0, "anchor_chunk": 64,
                  "val_data": "", "checkpoint_dtype": "float32", "loss": "auto", "context_fusion": "shared",
-                 "conf_into_backbone": True}
+                 "conf_into_backbone": True, "target_dtype": "float32"}
 
 
 def save_checkpoint(path: Path, cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

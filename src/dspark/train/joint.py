@@ -21,7 +21,7 @@ from dspark.train.interrupt import StopRequest
 from dspark.train.trainer import Trainer
 
 # what decides the batches, anchors and target outputs: drafters sharing a pass must agree on them
-SHARED_OPTIONS = ("data", "val_data", "target", "seed", "steps", "batch_size", "grad_accum", "anchors_per_seq",
+SHARED_OPTIONS = ("data", "val_data", "target", "target_dtype", "seed", "steps", "batch_size", "grad_accum", "anchors_per_seq",
                   "max_seq_len", "group_by_length", "val_fraction", "val_max_samples", "draft_vocab_size", "device",
                   "threads", "checkpoint_every")
 

@@ -86,7 +86,8 @@ class Trainer:
         if lead is not None:
             self.target, self.train_set, self.val_set = lead.target, lead.train_set, lead.val_set
         else:
-            self.target = load_target(cfg.target or None, dtype=torch.float32, pack=on_cpu, require_tokenizer=False)
+            self.target = load_target(cfg.target or None, dtype=teacher_dtype(cfg.target_dtype, self.device),
+                                      pack=on_cpu, require_tokenizer=False)
             self.train_set, self.val_set = split_data(cfg, self.target.cfg.vocab_size)
         self.order = DataOrder(cfg, self.train_set)
 
@@ -410,6 +411,14 @@ def training_device(name: str) -> torch.device:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return dev
+
+
+def teacher_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The frozen target's precision for `target_dtype` on `device` ("auto": bf16 where it runs natively)."""
+    if name == "auto":
+        native = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_native_bf16()
+        return torch.bfloat16 if native else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 def _truncate_log(path: Path, step: int) -> None:
