@@ -94,6 +94,38 @@ def test_batched_ragged_prefill_and_decode_equal_one_by_one(tiny_targets):
             assert (out2.hidden[i, :k] - ref2.hidden[0]).abs().max() <= 1e-5, name
 
 
+@pytest.mark.parametrize("spread", [0, 10**9])  # rows attend one at a time / in one masked call
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_rows_of_ragged_lengths_equal_one_by_one(tiny_targets, monkeypatch, spread, dtype):
+    """A decode step over rows of very different lengths (and an idle row) gives each row what it gets
+    alone, whether the rows attend a row at a time or in one masked call (`PER_ROW_SPREAD`)."""
+    import dspark.model.transformer as transformer
+
+    monkeypatch.setattr(transformer, "PER_ROW_SPREAD", spread)
+    model = load_target(tiny_targets[0][1], dtype=dtype, require_tokenizer=False).model
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(3, 128, (n,), generator=g) for n in (40, 2, 0, 17)]
+    step = torch.randint(3, 128, (4, 1), generator=g)
+    cache = model.new_cache(4, 64)
+    for i, s in enumerate(seqs):
+        if len(s):
+            view = cache.row(i)
+            model(s[None], view)
+            cache.lengths[i] = int(view.lengths[0])
+    num_new = torch.tensor([1, 1, 0, 1])
+    assert (transformer.one_token_row_lengths(cache.lengths, cache.lengths + num_new) is not None) == (spread == 0)
+    out = model(step, cache, num_new=num_new)
+    assert cache.lengths.tolist() == [41, 3, 0, 18]
+    for i, s in enumerate(seqs):
+        if len(s):
+            alone = model.new_cache(1, 64)
+            model(s[None], alone)
+            want = model(step[i : i + 1], alone).hidden[0]
+            tol = 1e-5 if dtype == torch.float32 else 2e-2 * float(want.abs().max())  # bf16: a few ulps
+            assert (out.hidden[i] - want).abs().max() <= tol, (i, spread)
+    assert bool((out.hidden[2] == 0).all())
+
+
 def test_ragged_padding_is_not_computed_and_writes_no_cache(tiny_targets):
     """Rows of a ragged forward bring only their real tokens: the cache beyond each row's new length
     keeps what it held, and the padded outputs are zeros (fp32 and the bf16 fast path)."""

@@ -17,6 +17,10 @@ import torch.nn.functional as F
 from dspark.model.kernels import cpu_has_native_bf16
 
 FOLD_MAX_QUERIES = 16  # fold the query-head groups up to this many query tokens per row
+# one-token rows attend a row at a time once the longest exceeds the mean by this many positions: a
+# masked call costs ~0.11 us per row and position of the longest row, a row's own call ~19 us more than
+# its positions (64 rows, bf16, AMX Xeon; equal at a spread of ~165)
+PER_ROW_SPREAD = 160
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -38,3 +42,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         mask = mask[:, :, None].expand(mb, 1, group, n, length).reshape(mb, 1, group * n, length)
     out = F.scaled_dot_product_attention(q.reshape(B, nkv, group * n, d), k, v, attn_mask=mask)
     return out.view(B, nh, n, d)
+
+
+def attention_per_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """One-token queries of ragged rows: q [B, nh, 1, d], row b attending to its first `lengths[b]`
+    keys of k / v [B, nkv, L, d] (0: a row without a query, whose output is zeros). One unmasked call
+    per row, each exactly a lone request's: on a CPU the flash kernel's boolean mask costs more than
+    the calls, and its cost follows the longest row (64 rows, two of them ~1,000 positions and the rest
+    ~200: 8.9 ms a layer masked, 2.8 ms a row at a time; benchmarks/results/README.md, "regeneration")."""
+    out = q.new_zeros(q.shape)
+    for b, n in enumerate(lengths):
+        if n:
+            out[b : b + 1] = attention(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], None)
+    return out

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.errors import DsparkError
-from dspark.model.attention import attention
+from dspark.model.attention import PER_ROW_SPREAD, attention, attention_per_row
 from dspark.model.config import TargetConfig
 from dspark.model.kernels import Dense, Packed, dense_kernel
 
@@ -337,7 +337,8 @@ class TargetModel(nn.Module):
             cis = self.rope_cis[tokens.pos][:, None]  # [N, 1, d/2]
         else:
             cos, sin = self.rope_cos[tokens.pos][:, None], self.rope_sin[tokens.pos][:, None]  # [N, 1, d]
-        mask = None if q == 1 and B == 1 else tokens.mask(kv_len, None if tree is None else tree[1])
+        row_lengths = one_token_row_lengths(start, end) if q == 1 and B > 1 and tree is None else None
+        mask = None if (q == 1 and B == 1) or row_lengths else tokens.mask(kv_len, None if tree is None else tree[1])
 
         c = self.cfg
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -350,7 +351,10 @@ class TargetModel(nn.Module):
                 qh = self._fast_attention_inputs(x, layer, kern, cis, kvc, tokens)
             else:
                 qh = self._reference_attention_inputs(x, layer, kern, cos, sin, kvc, tokens)
-            attn = attention(tokens.pad(qh).transpose(1, 2), kvc[:, :nkv, :kv_len], kvc[:, nkv:, :kv_len], mask)
+            if row_lengths:
+                attn = attention_per_row(tokens.pad(qh).transpose(1, 2), kvc[:, :nkv], kvc[:, nkv:], row_lengths)
+            else:
+                attn = attention(tokens.pad(qh).transpose(1, 2), kvc[:, :nkv, :kv_len], kvc[:, nkv:, :kv_len], mask)
             x = x + kern.o(tokens.pack(attn.transpose(1, 2)).reshape(-1, nh * hd))
             if self.fast:
                 h = self._normed(x, None if kern.fold_norms else layer.post_norm)
@@ -366,6 +370,17 @@ class TargetModel(nn.Module):
             tapped[c.num_hidden_layers - 1] = hidden
         taps_out = tokens.pad(torch.stack([tapped[t] for t in taps], dim=1)) if taps else None
         return ForwardOutput(hidden=tokens.pad(hidden), taps=taps_out)
+
+
+def one_token_row_lengths(start: torch.Tensor, end: torch.Tensor) -> list[int] | None:
+    """The keys each row of a one-token batch attends to (0: a row without a token), when attending
+    a row at a time (`attention_per_row`) pays: when the longest row exceeds the mean by more than
+    `PER_ROW_SPREAD` positions; else None (one masked call over the longest row's keys)."""
+    lengths = end * (end > start)
+    active = lengths[lengths > 0]
+    if not len(active) or int(active.max()) - float(active.float().mean()) <= PER_ROW_SPREAD:
+        return None
+    return lengths.tolist()
 
 
 class TokenLayout:
