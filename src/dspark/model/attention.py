@@ -47,11 +47,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 def attention_per_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """One-token queries of ragged rows: q [B, nh, 1, d], row b attending to its first `lengths[b]`
     keys of k / v [B, nkv, L, d] (0: a row without a query, whose output is zeros). One unmasked call
-    per row, each exactly a lone request's: on a CPU the flash kernel's boolean mask costs more than
-    the calls, and its cost follows the longest row (64 rows, two of them ~1,000 positions and the rest
-    ~200: 8.9 ms a layer masked, 2.8 ms a row at a time; benchmarks/results/README.md, "regeneration")."""
-    out = q.new_zeros(q.shape)
+    per row, each exactly a lone request's (query-head groups folded as in `attention`): on a CPU the
+    flash kernel's boolean mask costs what the longest row costs, for every row."""
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not cpu_has_native_bf16():
+        return attention_per_row(q.float(), k.float(), v.float(), lengths).to(q.dtype)
+    B, nh, _, d = q.shape
+    nkv = k.shape[1]
+    folded = q.view(B, nkv, nh // nkv, d)  # one token: row r of a K/V head's group is query head r
+    out = torch.zeros_like(folded)
     for b, n in enumerate(lengths):
         if n:
-            out[b : b + 1] = attention(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], None)
-    return out
+            out[b] = F.scaled_dot_product_attention(folded[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n])[0]
+    return out.view(B, nh, 1, d)
