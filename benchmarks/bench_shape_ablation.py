@@ -45,9 +45,10 @@ ARMS = {  # arm -> (shipped config, what the arm changes in it)
 }
 
 
-def configs(runs: Path, arms: list[str], steps: int, batch: int, anchors: int) -> list[Path]:
+def configs(runs: Path, arms: list[str], steps: int, batch: int, anchors: int, common: dict) -> list[Path]:
     return [arm_config(runs, arm, ARMS[arm][0], steps=steps, batch_size=batch, anchors_per_seq=anchors,
-                       eval_every=max(1, steps // 6), checkpoint_every=25, **ARMS[arm][1]) for arm in arms]
+                       eval_every=max(1, steps // 6), checkpoint_every=25, **{**common, **ARMS[arm][1]})
+            for arm in arms]
 
 
 def curves(runs: Path, arms: list[str]) -> dict:
@@ -129,6 +130,14 @@ def markdown(rows: dict, cost: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _option(item: str) -> tuple[str, object]:
+    key, _, value = item.partition("=")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=Path, required=True, help="directory of the arms' runs (not committed)")
@@ -140,6 +149,8 @@ def main() -> int:
     ap.add_argument("--anchors", type=int, default=32, help="anchors sampled per reply")
     ap.add_argument("--reps", type=int, default=30, help="timed rounds of the cost measurement")
     ap.add_argument("--resume", action="store_true", help="continue the runs in RUNS")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a training option for every arm (JSON value, else a string), e.g. --set target_dtype=auto")
     ap.add_argument("--report-only", action="store_true",
                     help="train no more: measure costs and report the runs' last validations (a stopped run's too)")
     args = ap.parse_args()
@@ -148,7 +159,8 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown arms {unknown}; choose from {', '.join(ARMS)}")
     if not args.report_only:
-        train_arms(configs(args.runs, arms, args.steps, args.batch, args.anchors), args.resume)
+        common = dict(_option(item) for item in args.set)
+        train_arms(configs(args.runs, arms, args.steps, args.batch, args.anchors, common), args.resume)
     torch.set_num_threads(2)
     curve, cost = curves(args.runs, arms), costs(arms, args.reps)
     rows = judge(curve, cost, arms)
