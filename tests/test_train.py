@@ -477,3 +477,45 @@ def test_a_bf16_teacher_trains_every_drafter(tiny_run, tmp_path, algorithm, auto
     assert val[-1]["val"]["expected_tau"] >= 1.0
     with pytest.raises(DsparkError, match="target_dtype must be"):
         dataclasses.replace(cfg, target_dtype="fp8").validate()
+
+
+@pytest.mark.parametrize("algorithm", ["dspark", "eagle3"])
+def test_the_compiled_loss_trains_as_the_eager_one(tiny_run, tmp_path, algorithm):
+    """compile_loss = on (Inductor over the loss's [slots, vocabulary] arithmetic) logs the losses and
+    validation of the eager loss, to float rounding; `auto` compiles long runs only."""
+    logs = {}
+    for mode in ("off", "on"):
+        cfg = _cfg(tiny_run, tmp_path / mode, algorithm=algorithm, compile_loss=mode, steps=4, eval_every=4,
+                   checkpoint_every=4)
+        trainer = Trainer(cfg, progress=False)
+        assert (trainer.dense_loss is not None) == (mode == "on")
+        trainer.run()
+        logs[mode] = _log(tmp_path / mode)
+    for eager, compiled in zip(*(logs[m][0] + logs[m][1] for m in ("off", "on"))):
+        for key in ("loss", "ce", "tv", "conf"):
+            if key in eager:
+                assert compiled[key] == pytest.approx(eager[key], rel=1e-4, abs=1e-6), key
+    assert Trainer(_cfg(tiny_run, tmp_path / "long", steps=200), progress=False).dense_loss is not None
+
+
+def test_a_compiled_loss_that_fails_falls_back_to_eager_once(monkeypatch, caplog):
+    from dspark.train import losses
+
+    def broken(fn, **_):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    dense = losses.compiled_dense_loss()
+    g = torch.Generator().manual_seed(0)
+    logits, p_t = torch.randn(5, 16, generator=g), torch.softmax(torch.randn(5, 16, generator=g), -1)
+    args = (logits, None, p_t, torch.zeros(5), torch.arange(5), torch.ones(5), 0.1, 0.9, 1.0, 0.0)
+    with caplog.at_level("WARNING", logger="dspark.train"):
+        got = dense(*args)
+        again = dense(*args)
+    assert [r.message.count("no C++ compiler") for r in caplog.records] == [1]
+    assert all(torch.equal(a, b) for a, b in zip(got, losses.dense_loss_sums(*args)))
+    assert all(torch.equal(a, b) for a, b in zip(again, got))
+    with pytest.raises(RuntimeError):  # a real error is the eager loss's own
+        dense(logits[:, :3], *args[1:])

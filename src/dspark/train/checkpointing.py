@@ -16,7 +16,7 @@ from dspark.train.config import CHECKPOINT_DTYPES, TrainConfig
 from dspark.util.files import atomic_directory
 
 # Options a resumed run may change; anything else must match the checkpoint.
-RESUMABLE_CHANGES = {"steps", "checkpoint_every", "eval_every", "threads", "out", "device", "anchor_chunk",
+RESUMABLE_CHANGES = {"compile_loss", "steps", "checkpoint_every", "eval_every", "threads", "out", "device", "anchor_chunk",
                      "val_data", "val_max_samples", "checkpoint_dtype"}
 # what runs saved before an option existed had
 ADDED_OPTIONS = {"draft_layer": "target", "confidence_head_with_markov": True, "draft_vocab_size": 0, "anchor_chunk": 64,

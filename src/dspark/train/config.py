@@ -24,6 +24,7 @@ DEFAULT_LOSS = {"dspark": "kd", "dflash": "ce", "eagle3": "soft_ce"}
 
 ALL_ANCHORS = "all"
 TARGET_DTYPES = ("float32", "bfloat16", "auto")
+COMPILE_LOSS_STEPS = 200  # compile_loss = "auto" compiles runs of this many steps or more
 # how a training checkpoint stores the drafter's weights and the AdamW moments
 CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -64,6 +65,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     autocast: str = "auto"  # auto (bf16 where the hardware has native bf16) | bf16 | off
+    # the loss's [slots, vocabulary] arithmetic compiled by Inductor: auto (for runs of COMPILE_LOSS_STEPS+
+    # steps, where the compilation, ~15 s a drafter, pays) | on | off
+    compile_loss: str = "auto"
     # the frozen teacher's precision: float32 | bfloat16 | auto (bf16 where the hardware has native bf16:
     # ~3x faster target passes on AMX, and the distribution and features the drafter meets at inference)
     target_dtype: str = "float32"
@@ -115,6 +119,8 @@ class TrainConfig:
                               f"got {self.checkpoint_dtype!r}")
         if self.autocast not in ("auto", "bf16", "off"):
             raise DsparkError(f"autocast must be auto, bf16 or off, got {self.autocast!r}")
+        if self.compile_loss not in ("auto", "on", "off"):
+            raise DsparkError(f"compile_loss must be auto, on or off, got {self.compile_loss!r}")
         if self.target_dtype not in TARGET_DTYPES:
             raise DsparkError(f"target_dtype must be one of {', '.join(TARGET_DTYPES)}, got {self.target_dtype!r}")
         if self.device != "auto":

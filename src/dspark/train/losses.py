@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("dspark.train")
 
 
 def position_weights(block_size: int, decay: float) -> torch.Tensor:
@@ -59,10 +62,10 @@ def _dist(target: "TargetDist | torch.Tensor", draft_ids: torch.Tensor | None) -
     return target if isinstance(target, TargetDist) else TargetDist.from_logits(target, draft_ids)
 
 
-def l1_to_target(log_pd: torch.Tensor, target: TargetDist) -> torch.Tensor:
+def l1_to_target(log_pd: torch.Tensor, p_t: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
     """‖p_d − p_t‖₁ over the full vocabulary, p_d [..., K] being zero outside the draft vocabulary:
-    Σ_K |p_d − p_t| + the target's mass outside (which no draft distribution can cover)."""
-    return (log_pd.exp() - target.p).abs().sum(-1) + target.outside
+    Σ_K |p_d − p_t| + the target's mass `outside` it (which no draft distribution can cover)."""
+    return (log_pd.exp() - p_t).abs().sum(-1) + outside
 
 
 def draft_index(labels: torch.Tensor, draft_ids: torch.Tensor | None, vocab_size: int | None = None) -> torch.Tensor:
@@ -86,6 +89,7 @@ def kd_loss_sums(
     conf_weight: float,
     soft_ce_weight: float = 0.0,
     draft_ids: torch.Tensor | None = None,
+    dense=None,
 ) -> LossSums:
     """Supervised slots only: draft logits [N, K] over the draft vocabulary `draft_ids` (None: the
     full vocabulary, K = V), the target's distribution (a `TargetDist`, or its logits [N, V]),
@@ -97,28 +101,57 @@ def kd_loss_sums(
     token, with that weight (reported in the `ce` field). With a reduced vocabulary
     the L1 (and so c*) is exact over the full vocabulary: the target's mass outside counts as
     distance. The cross-entropies cover the draft vocabulary only: a label outside it, or target
-    mass outside it, would be an infinite loss with no gradient, and is left out."""
-    w = weights
+    mass outside it, would be an infinite loss with no gradient, and is left out.
+    `dense`: `dense_loss_sums` or a compiled copy of it (`compiled_dense_loss`)."""
+    vocab_size = target.shape[-1] if isinstance(target, torch.Tensor) else None
+    target = _dist(target, draft_ids)
+    index = None if soft_ce_weight else draft_index(labels, draft_ids, vocab_size)
+    sums = (dense or dense_loss_sums)(draft_logits, conf_logits, target.p, target.outside, index, weights,
+                                      ce_weight, tv_weight, conf_weight, soft_ce_weight)
+    return LossSums(*sums)
+
+
+def dense_loss_sums(draft_logits, conf_logits, p_t, outside, index, w, ce_weight: float, tv_weight: float,
+                    conf_weight: float, soft_ce_weight: float) -> tuple[torch.Tensor, ...]:
+    """`kd_loss_sums`' arithmetic over [N, K] (labels already draft-vocabulary indices, `index`, None for
+    the soft CE): (total, ce, tv, conf) sums. Elementwise passes and reductions only, so that a compiler
+    fuses them."""
     log_pd = F.log_softmax(draft_logits.float(), dim=-1)
     zero = log_pd.new_zeros(())
     tv = conf = zero
-    vocab_size = target.shape[-1] if isinstance(target, torch.Tensor) else None
-    target = _dist(target, draft_ids)
     if soft_ce_weight:
-        ce, ce_weight = -(target.p * log_pd).sum(-1), soft_ce_weight
+        ce, ce_weight = -(p_t * log_pd).sum(-1), soft_ce_weight
     else:
-        index = draft_index(labels, draft_ids, vocab_size)
         ce = -log_pd.gather(-1, index.clamp(min=0)[:, None]).squeeze(-1) * (index >= 0)
     if tv_weight or (conf_logits is not None and conf_weight):
-        l1 = l1_to_target(log_pd, target)
+        l1 = l1_to_target(log_pd, p_t, outside)
         tv = (w * l1).sum()
         if conf_logits is not None and conf_weight:
             c_star = (1 - 0.5 * l1.detach()).clamp(0, 1)
             bce = F.binary_cross_entropy_with_logits(conf_logits.float(), c_star, reduction="none")
             conf = (w * bce).sum()
     ce = (w * ce).sum()
-    total = ce_weight * ce + tv_weight * tv + conf_weight * conf
-    return LossSums(total, ce, tv, conf)
+    return ce_weight * ce + tv_weight * tv + conf_weight * conf, ce, tv, conf
+
+
+def compiled_dense_loss():
+    """`dense_loss_sums` compiled by Inductor over any slot count: one fused kernel for the elementwise
+    passes and reductions of [N, K] in each direction (CPU, N = 2,040, K = 8,192: forward + backward
+    0.21 -> 0.085 s); it falls back to eager, once and with a warning, where compilation fails."""
+    compiled = torch.compile(dense_loss_sums, dynamic=True)
+    state = {"fn": compiled}
+
+    def run(*args):
+        try:
+            return state["fn"](*args)
+        except Exception as e:
+            if state["fn"] is dense_loss_sums:
+                raise
+            log.warning("the compiled loss failed (%s: %s); training on with the eager one", type(e).__name__, e)
+            state["fn"] = dense_loss_sums
+            return dense_loss_sums(*args)
+
+    return run
 
 
 def acceptance_sums(
@@ -129,7 +162,8 @@ def acceptance_sums(
 
     draft logits [N, K] (over `draft_ids`, as in `kd_loss_sums`), the target's distribution
     (`TargetDist` [N] or logits [N, V]), each slot's block position [N] -> two [block_size] tensors."""
-    l1 = l1_to_target(F.log_softmax(draft_logits.float(), dim=-1), _dist(target, draft_ids))
+    target = _dist(target, draft_ids)
+    l1 = l1_to_target(F.log_softmax(draft_logits.float(), dim=-1), target.p, target.outside)
     alpha = (1 - 0.5 * l1).clamp(0, 1)  # clamp: rounding of the L1 sum
     sums = alpha.new_zeros(block_size).index_add_(0, block_pos, alpha)
     return sums, torch.bincount(block_pos, minlength=block_size).to(alpha.dtype)

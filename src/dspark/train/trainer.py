@@ -40,11 +40,12 @@ from dspark.train.batches import (
     validation_batches,
 )
 from dspark.train.checkpointing import load_checkpoint, save_checkpoint
-from dspark.train.config import ALL_ANCHORS, DEFAULT_LOSS, TrainConfig
+from dspark.train.config import ALL_ANCHORS, COMPILE_LOSS_STEPS, DEFAULT_LOSS, TrainConfig
 from dspark.train.interrupt import StopRequest
 from dspark.train.losses import (
     LossSums,
     acceptance_sums,
+    compiled_dense_loss,
     expected_tau,
     greedy_acceptance_sums,
     kd_loss_sums,
@@ -104,6 +105,8 @@ class Trainer:
         self.weights_k = self.weights_k.to(self.device)
         native_bf16 = cpu_has_native_bf16() if on_cpu else torch.cuda.is_bf16_supported()
         self.autocast = cfg.autocast == "bf16" or (cfg.autocast == "auto" and native_bf16)
+        compile_loss = cfg.compile_loss == "on" or (cfg.compile_loss == "auto" and cfg.steps >= COMPILE_LOSS_STEPS)
+        self.dense_loss = compiled_dense_loss() if compile_loss else None  # None: eager
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
         )
@@ -222,7 +225,8 @@ class Trainer:
         kind = DEFAULT_LOSS[c.algorithm] if c.loss == "auto" else c.loss
         ce, tv = {"kd": (c.ce_weight, c.tv_weight), "ce": (1.0, 0.0), "soft_ce": (0.0, 0.0)}[kind]
         return kd_loss_sums(o.logits[sup], conf, o.target, o.labels[sup], o.w[sup], ce, tv, c.conf_weight,
-                            soft_ce_weight=1.0 if kind == "soft_ce" else 0.0, draft_ids=self._draft_ids)
+                            soft_ce_weight=1.0 if kind == "soft_ce" else 0.0, draft_ids=self._draft_ids,
+                            dense=self.dense_loss)
 
     @property
     def _draft_ids(self) -> torch.Tensor | None:
