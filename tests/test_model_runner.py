@@ -99,7 +99,7 @@ def test_batched_ragged_prefill_and_decode_equal_one_by_one(tiny_targets):
 def test_one_token_rows_of_ragged_lengths_equal_one_by_one(tiny_targets, monkeypatch, spread, dtype):
     """A decode step over rows of very different lengths (and an idle row) gives each row what it gets
     alone, whether the rows attend a row at a time or in one masked call (`PER_ROW_SPREAD`)."""
-    import dspark.model.transformer as transformer
+    from dspark.model import transformer
 
     monkeypatch.setattr(transformer, "PER_ROW_SPREAD", spread)
     model = load_target(tiny_targets[0][1], dtype=dtype, require_tokenizer=False).model
