@@ -352,7 +352,8 @@ class TargetModel(nn.Module):
             else:
                 qh = self._reference_attention_inputs(x, layer, kern, cos, sin, kvc, tokens)
             if row_lengths:
-                attn = attention_per_row(tokens.pad(qh).transpose(1, 2), kvc[:, :nkv], kvc[:, nkv:], row_lengths)
+                attn = attention_per_row(tokens.pad(qh).transpose(1, 2), kvc[:, :nkv, :kv_len], kvc[:, nkv:, :kv_len],
+                                         row_lengths)
             else:
                 attn = attention(tokens.pad(qh).transpose(1, 2), kvc[:, :nkv, :kv_len], kvc[:, nkv:, :kv_len], mask)
             x = x + kern.o(tokens.pack(attn.transpose(1, 2)).reshape(-1, nh * hd))
