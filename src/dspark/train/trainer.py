@@ -29,7 +29,7 @@ from dspark.draft.dspark import DSparkModel
 from dspark.draft.eagle3 import Eagle3Model
 from dspark.errors import DsparkError
 from dspark.model.kernels import cpu_has_native_bf16
-from dspark.model.loading import load_target
+from dspark.model.loading import DTYPES, load_target
 from dspark.train.batches import (
     DataOrder,
     Item,
@@ -84,10 +84,11 @@ class Trainer:
 
         self.device = training_device(cfg.device)
         on_cpu = self.device.type == "cpu"
+        native_bf16 = cpu_has_native_bf16() if on_cpu else torch.cuda.is_bf16_supported()
         if lead is not None:
             self.target, self.train_set, self.val_set = lead.target, lead.train_set, lead.val_set
         else:
-            self.target = load_target(cfg.target or None, dtype=teacher_dtype(cfg.target_dtype, self.device),
+            self.target = load_target(cfg.target or None, dtype=teacher_dtype(cfg.target_dtype, native_bf16),
                                       pack=on_cpu, require_tokenizer=False)
             self.train_set, self.val_set = split_data(cfg, self.target.cfg.vocab_size)
         self.order = DataOrder(cfg, self.train_set)
@@ -103,7 +104,6 @@ class Trainer:
         else:
             self.weights_k = position_weights(self.slots, cfg.position_decay)
         self.weights_k = self.weights_k.to(self.device)
-        native_bf16 = cpu_has_native_bf16() if on_cpu else torch.cuda.is_bf16_supported()
         self.autocast = cfg.autocast == "bf16" or (cfg.autocast == "auto" and native_bf16)
         compile_loss = cfg.compile_loss == "on" or (cfg.compile_loss == "auto" and cfg.steps >= COMPILE_LOSS_STEPS)
         self.dense_loss = compiled_dense_loss() if compile_loss else None  # None: eager
@@ -417,12 +417,11 @@ def training_device(name: str) -> torch.device:
     return dev
 
 
-def teacher_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The frozen target's precision for `target_dtype` on `device` ("auto": bf16 where it runs natively)."""
+def teacher_dtype(name: str, native_bf16: bool) -> torch.dtype:
+    """The frozen target's precision for `target_dtype` ("auto": bf16 where the device runs it natively)."""
     if name == "auto":
-        native = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_native_bf16()
-        return torch.bfloat16 if native else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+        return torch.bfloat16 if native_bf16 else torch.float32
+    return DTYPES[name]
 
 
 def _truncate_log(path: Path, step: int) -> None:
