@@ -297,6 +297,24 @@ class TargetModel(nn.Module):
         tokens.write(kvc, torch.cat([kh, vh], dim=1))
         return qh
 
+    def _attention_and_mlp(self, x, qh, layer, kern, kv, tokens: TokenLayout, mask, row_lengths) -> torch.Tensor:
+        """The rest of a layer after its queries `qh` [N, nh, hd]: attention over `kv` [B, 2 * nkv, L, hd]
+        (masked, or a row at a time where `row_lengths` says), output projection, MLP; residuals added."""
+        c = self.cfg
+        nkv = c.num_key_value_heads
+        q = tokens.pad(qh).transpose(1, 2)
+        if row_lengths:
+            attn = attention_per_row(q, kv[:, :nkv], kv[:, nkv:], row_lengths)
+        else:
+            attn = attention(q, kv[:, :nkv], kv[:, nkv:], mask)
+        x = x + kern.o(tokens.pack(attn.transpose(1, 2)).reshape(x.shape[0], -1))
+        if self.fast:
+            h = self._normed(x, None if kern.fold_norms else layer.post_norm)
+        else:
+            h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
+        gate, up = kern.gate_up(h).chunk(2, dim=-1)
+        return x + kern.down(F.silu(gate) * up)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -341,7 +359,6 @@ class TargetModel(nn.Module):
         mask = None if (q == 1 and B == 1) or row_lengths else tokens.mask(kv_len, None if tree is None else tree[1])
 
         c = self.cfg
-        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         x = self.embed(tokens.pack(input_ids))  # [N, H]
         tap_set = set(taps)
         tapped = {-1: x} if -1 in tap_set else {}  # -1: the embedding output (DeepSpec's convention)
@@ -351,18 +368,7 @@ class TargetModel(nn.Module):
                 qh = self._fast_attention_inputs(x, layer, kern, cis, kvc, tokens)
             else:
                 qh = self._reference_attention_inputs(x, layer, kern, cos, sin, kvc, tokens)
-            if row_lengths:
-                attn = attention_per_row(tokens.pad(qh).transpose(1, 2), kvc[:, :nkv, :kv_len], kvc[:, nkv:, :kv_len],
-                                         row_lengths)
-            else:
-                attn = attention(tokens.pad(qh).transpose(1, 2), kvc[:, :nkv, :kv_len], kvc[:, nkv:, :kv_len], mask)
-            x = x + kern.o(tokens.pack(attn.transpose(1, 2)).reshape(-1, nh * hd))
-            if self.fast:
-                h = self._normed(x, None if kern.fold_norms else layer.post_norm)
-            else:
-                h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
-            gate, up = kern.gate_up(h).chunk(2, dim=-1)
-            x = x + kern.down(F.silu(gate) * up)
+            x = self._attention_and_mlp(x, qh, layer, kern, kvc[:, :, :kv_len], tokens, mask, row_lengths)
             if li in tap_set:
                 tapped[li] = x
         cache.lengths = end
