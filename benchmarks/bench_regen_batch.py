@@ -1,12 +1,13 @@
 """The regeneration workload's engine step: how its batch size and the attention of one-token rows
-(one boolean-masked call over the longest row's keys, or a row at a time over each row's own) set
-its throughput.
+(the ragged decode kernel, or SDPA: one boolean-masked call over the longest row's keys, or a row at a
+time over each row's own) set its throughput.
 
 The workload is `dspark data regenerate`'s own: the training prompts in `--shuffle 0` order (a slice
 past the committed store's), T = 0.7 / top-p 0.95, up to 256 new tokens, finished rows replaced by
 waiting prompts; the embedded SmolLM2 in the precision `--dtype auto` picks. Each arm starts a fresh
 engine on the same prompts and times `--steps` engine steps (prefills included); arms alternate
-over `--rounds`, medians reported. Attention modes: `masked` (PER_ROW_SPREAD = inf), `per-row`
+over `--rounds`, medians reported. Attention modes: `kernel` (model/decode_attention.py, the default
+where it builds), and with it switched off SDPA `masked` (PER_ROW_SPREAD = inf), `per-row`
 (PER_ROW_SPREAD = 0), `auto` (the shipped rule).
 
     python benchmarks/bench_regen_batch.py --out benchmarks/results/regen_batch.json
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,7 +36,7 @@ from dspark.util.platform import cpu_flags
 from dspark.util.seeding import derived_generator
 
 ROOT = Path(__file__).resolve().parents[1]
-SPREADS = {"masked": float("inf"), "per-row": 0, "auto": PER_ROW_SPREAD}
+SPREADS = {"masked": float("inf"), "per-row": 0, "auto": PER_ROW_SPREAD, "kernel": PER_ROW_SPREAD}
 
 
 def workload(target, first: int, count: int) -> list[tuple[str, list[int]]]:
@@ -43,8 +45,9 @@ def workload(target, first: int, count: int) -> list[tuple[str, list[int]]]:
     return [(p.id, ids) for p in prompts if len(ids := target.encode_prompt(p.text)) <= 1024]
 
 
-def run_arm(target, prompts, batch: int, spread: float, steps: int) -> dict:
-    transformer.PER_ROW_SPREAD = spread
+def run_arm(target, prompts, batch: int, mode: str, steps: int) -> dict:
+    transformer.PER_ROW_SPREAD = SPREADS[mode]
+    os.environ["DSPARK_DECODE_KERNEL"] = "1" if mode == "kernel" else "0"
     engine = Engine(target, policy=ARPolicy(), max_batch=batch, max_len=1024 + 257)
     params = SamplingParams(temperature=0.7, top_p=0.95)
     for pid, ids in prompts:
@@ -62,7 +65,7 @@ def run_arm(target, prompts, batch: int, spread: float, steps: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="32,64", help="engine rows, comma-separated")
-    ap.add_argument("--modes", default="masked,per-row,auto", help=f"attention modes: {', '.join(SPREADS)}")
+    ap.add_argument("--modes", default="masked,per-row,auto,kernel", help=f"attention modes: {', '.join(SPREADS)}")
     ap.add_argument("--steps", type=int, default=300, help="engine steps timed per arm")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--first", type=int, default=44000, help="first prompt of the slice (--shuffle 0 order)")
@@ -77,7 +80,7 @@ def main() -> int:
         for batch in batches:
             for mode in modes:
                 results.setdefault(f"{batch} rows, {mode}", []).append(
-                    run_arm(target, prompts, batch, SPREADS[mode], args.steps))
+                    run_arm(target, prompts, batch, mode, args.steps))
     rows = {arm: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for arm, runs in results.items()}
     report = {"command": "python benchmarks/bench_regen_batch.py " + " ".join(sys.argv[1:]),
               "machine": {"flags": cpu_flags(), "threads": 2, "precision": target.model.precision},

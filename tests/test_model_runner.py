@@ -94,14 +94,20 @@ def test_batched_ragged_prefill_and_decode_equal_one_by_one(tiny_targets):
             assert (out2.hidden[i, :k] - ref2.hidden[0]).abs().max() <= 1e-5, name
 
 
-@pytest.mark.parametrize("spread", [0, 10**9])  # rows attend one at a time / in one masked call
+@pytest.mark.parametrize("mode", ["kernel", "rows", "masked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_token_rows_of_ragged_lengths_equal_one_by_one(tiny_targets, monkeypatch, spread, dtype):
+def test_one_token_rows_of_ragged_lengths_equal_one_by_one(tiny_targets, monkeypatch, mode, dtype):
     """A decode step over rows of very different lengths (and an idle row) gives each row what it gets
-    alone, whether the rows attend a row at a time or in one masked call (`PER_ROW_SPREAD`)."""
-    from dspark.model import transformer
+    alone, whether the rows attend through the ragged decode kernel, a row at a time or in one masked
+    call (`PER_ROW_SPREAD`)."""
+    from dspark.model import decode_attention, transformer
 
+    spread = 0 if mode == "rows" else 10**9
     monkeypatch.setattr(transformer, "PER_ROW_SPREAD", spread)
+    monkeypatch.setenv("DSPARK_DECODE_KERNEL", "1" if mode == "kernel" else "0")
+    called = []
+    monkeypatch.setattr(decode_attention, "decode_attention",
+                        lambda *a, f=decode_attention.decode_attention: called.append(1) or f(*a))
     model = load_target(tiny_targets[0][1], dtype=dtype, require_tokenizer=False).model
     g = torch.Generator().manual_seed(5)
     seqs = [torch.randint(3, 128, (n,), generator=g) for n in (40, 2, 0, 17)]
@@ -124,6 +130,7 @@ def test_one_token_rows_of_ragged_lengths_equal_one_by_one(tiny_targets, monkeyp
             tol = 1e-5 if dtype == torch.float32 else 2e-2 * float(want.abs().max())  # bf16: a few ulps
             assert (out.hidden[i] - want).abs().max() <= tol, (i, spread)
     assert bool((out.hidden[2] == 0).all())
+    assert bool(called) == (mode == "kernel")
 
 
 def test_ragged_padding_is_not_computed_and_writes_no_cache(tiny_targets):

@@ -14,12 +14,14 @@ Two numerics, chosen by dtype:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dspark.errors import DsparkError
+from dspark.model import decode_attention
 from dspark.model.attention import PER_ROW_SPREAD, attention, attention_per_row
 from dspark.model.config import TargetConfig
 from dspark.model.kernels import Dense, Packed, dense_kernel
@@ -297,21 +299,29 @@ class TargetModel(nn.Module):
         tokens.write(kvc, torch.cat([kh, vh], dim=1))
         return qh
 
-    def _attention_and_mlp(self, x, qh, layer, kern, kv, tokens: TokenLayout, mask, row_lengths) -> torch.Tensor:
-        """The rest of a layer after its queries `qh` [N, nh, hd]: attention over `kv` [B, 2 * nkv, L, hd]
-        (masked, or a row at a time where `row_lengths` says), output projection, MLP; residuals added."""
+    def _attention_of(self, tokens: TokenLayout, start, end, kv_len: int, tree) -> Callable:
+        """How this forward's layers attend: a function (queries [B, nh, q, d], a layer's cache
+        [B, 2 * nkv, kv_len, d]) -> [B, nh, q, d]. A batch of one-token rows (the engine's decode step)
+        runs the ragged decode kernel, or SDPA a row at a time when their lengths spread; else one SDPA
+        call, masked unless a lone row attends to all it has."""
         c = self.cfg
-        nkv = c.num_key_value_heads
-        q = tokens.pad(qh).transpose(1, 2)
-        if row_lengths:
-            attn = attention_per_row(q, kv[:, :nkv], kv[:, nkv:], row_lengths)
-        else:
-            attn = attention(q, kv[:, :nkv], kv[:, nkv:], mask)
+        nkv, B = c.num_key_value_heads, tokens.B
+        if tokens.q == 1 and B > 1 and tree is None:
+            if decode_attention.supports(self.dtype, self.device, c.num_attention_heads, nkv, c.head_dim):
+                lengths = end * (end > start)
+                return lambda q, kv: decode_attention.decode_attention(q.squeeze(2), kv, lengths).unsqueeze(2)
+            if row_lengths := one_token_row_lengths(start, end):
+                return lambda q, kv: attention_per_row(q, kv[:, :nkv], kv[:, nkv:], row_lengths)
+        mask = None if tokens.q == 1 and B == 1 else tokens.mask(kv_len, None if tree is None else tree[1])
+        return lambda q, kv: attention(q, kv[:, :nkv], kv[:, nkv:], mask)
+
+    def _output_and_mlp(self, x, layer, kern, attn: torch.Tensor, tokens: TokenLayout) -> torch.Tensor:
+        """The rest of a layer after its attention `attn` [B, nh, q, hd]: output projection, MLP, residuals."""
         x = x + kern.o(tokens.pack(attn.transpose(1, 2)).reshape(x.shape[0], -1))
         if self.fast:
             h = self._normed(x, None if kern.fold_norms else layer.post_norm)
         else:
-            h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
+            h = rms_norm(x, layer.post_norm, self.cfg.rms_norm_eps)
         gate, up = kern.gate_up(h).chunk(2, dim=-1)
         return x + kern.down(F.silu(gate) * up)
 
@@ -355,8 +365,7 @@ class TargetModel(nn.Module):
             cis = self.rope_cis[tokens.pos][:, None]  # [N, 1, d/2]
         else:
             cos, sin = self.rope_cos[tokens.pos][:, None], self.rope_sin[tokens.pos][:, None]  # [N, 1, d]
-        row_lengths = one_token_row_lengths(start, end) if q == 1 and B > 1 and tree is None else None
-        mask = None if (q == 1 and B == 1) or row_lengths else tokens.mask(kv_len, None if tree is None else tree[1])
+        attend = self._attention_of(tokens, start, end, kv_len, tree)
 
         c = self.cfg
         x = self.embed(tokens.pack(input_ids))  # [N, H]
@@ -368,7 +377,8 @@ class TargetModel(nn.Module):
                 qh = self._fast_attention_inputs(x, layer, kern, cis, kvc, tokens)
             else:
                 qh = self._reference_attention_inputs(x, layer, kern, cos, sin, kvc, tokens)
-            x = self._attention_and_mlp(x, qh, layer, kern, kvc[:, :, :kv_len], tokens, mask, row_lengths)
+            attn = attend(tokens.pad(qh).transpose(1, 2), kvc[:, :, :kv_len])
+            x = self._output_and_mlp(x, layer, kern, attn, tokens)
             if li in tap_set:
                 tapped[li] = x
         cache.lengths = end

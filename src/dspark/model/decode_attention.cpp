@@ -1,0 +1,129 @@
+// One-token attention of a batch of ragged rows (see decode_attention.py for why it exists).
+//
+// Built by PyTorch Inductor's own C++ toolchain (CppPythonBindingsCodeCache): its prefix header brings
+// at::vec::Vectorized for the CPU's widest ISA. The loader defines DSPARK_T (the cache's element type)
+// and DSPARK_D (the head dimension, a multiple of the vector width) before this file.
+//
+// Task (b, h) = row b, K/V head h: the row's `group` query heads (folded GQA) attend to its first
+// lengths[b] positions, nothing beyond (the cache past a row's length is never read). fp32 throughout,
+// exp as PyTorch's flash kernel computes it (exp_u20). Two passes over K and V, no padding:
+//   scores s[g][l] = q[g] . k[l] * scale;  p = softmax_l(s);  out[g] = sum_l p[g][l] v[l]
+#include <torch/csrc/inductor/cpp_prefix.h>
+
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+using bfloat16 = at::BFloat16;
+using T = DSPARK_T;
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = Vec::size();
+constexpr int64_t D = DSPARK_D;
+constexpr int64_t C = D / W;  // vectors in a head
+constexpr int64_t MAX_GROUP = 8;
+static_assert(D % W == 0, "head dimension must be a multiple of the vector width");
+
+static inline Vec load_float(const T* p) {
+    if constexpr (std::is_same_v<T, float>) {
+        return Vec::loadu(p);
+    } else {
+        return at::vec::convert<float>(at::vec::Vectorized<T>::loadu(p, W));
+    }
+}
+
+static inline void store(Vec v, T* p) {
+    if constexpr (std::is_same_v<T, float>) {
+        v.store(p);
+    } else {
+        at::vec::convert<T>(v).store(p, W);
+    }
+}
+
+static inline float sum_all(Vec v) {
+    return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
+}
+
+static inline float max_all(Vec v) {
+    return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, v);
+}
+
+// scores[g * L + l] = q[g] . K[l] * scale
+static void scores_of(const T* qh, const T* K, int64_t L, int64_t group, float scale, float* scores) {
+    Vec q[MAX_GROUP][C];
+    for (int64_t g = 0; g < group; ++g)
+        for (int64_t c = 0; c < C; ++c) q[g][c] = load_float(qh + g * D + c * W) * Vec(scale);
+    for (int64_t l = 0; l < L; ++l) {
+        Vec k[C];
+        for (int64_t c = 0; c < C; ++c) k[c] = load_float(K + l * D + c * W);
+        for (int64_t g = 0; g < group; ++g) {
+            Vec s = q[g][0] * k[0];
+            for (int64_t c = 1; c < C; ++c) s = at::vec::fmadd(q[g][c], k[c], s);
+            scores[g * L + l] = sum_all(s);
+        }
+    }
+}
+
+// s[0..L) -> exp(s - max), returns 1 / their sum
+static float softmax_in_place(float* s, int64_t L) {
+    Vec vmax(-std::numeric_limits<float>::infinity());
+    int64_t l = 0;
+    for (; l + W <= L; l += W) vmax = at::vec::maximum(vmax, Vec::loadu(s + l));
+    float m = max_all(vmax);
+    for (; l < L; ++l) m = std::max(m, s[l]);
+    Vec vsum(0.f);
+    for (l = 0; l + W <= L; l += W) {
+        Vec e = (Vec::loadu(s + l) - Vec(m)).exp_u20();
+        e.store(s + l);
+        vsum = vsum + e;
+    }
+    float sum = sum_all(vsum);
+    for (; l < L; ++l) {
+        s[l] = std::exp(s[l] - m);
+        sum += s[l];
+    }
+    return 1.f / sum;
+}
+
+// out[g] = sum_l p[g][l] V[l] / sum_l p[g][l]
+static void weighted_values(const float* p, const float* inv_sum, const T* V, int64_t L, int64_t group, T* oh) {
+    Vec acc[MAX_GROUP][C];
+    for (int64_t g = 0; g < group; ++g)
+        for (int64_t c = 0; c < C; ++c) acc[g][c] = Vec(0.f);
+    for (int64_t l = 0; l < L; ++l) {
+        Vec v[C];
+        for (int64_t c = 0; c < C; ++c) v[c] = load_float(V + l * D + c * W);
+        for (int64_t g = 0; g < group; ++g) {
+            Vec pg(p[g * L + l]);
+            for (int64_t c = 0; c < C; ++c) acc[g][c] = at::vec::fmadd(pg, v[c], acc[g][c]);
+        }
+    }
+    for (int64_t g = 0; g < group; ++g)
+        for (int64_t c = 0; c < C; ++c) store(acc[g][c] * Vec(inv_sum[g]), oh + g * D + c * W);
+}
+
+// q, out [B, nkv * group, D] contiguous; kv [B, 2 * nkv, max_len, D] with row / head strides (K heads
+// first, then V heads), positions contiguous.
+extern "C" void kernel(const T* q, const T* kv, const int64_t* lengths, T* out, int64_t B, int64_t nkv,
+                       int64_t group, int64_t row_stride, int64_t head_stride, float scale, int64_t threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> scores;
+        float inv_sum[MAX_GROUP];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < B * nkv; ++t) {
+            const int64_t b = t / nkv, h = t % nkv, L = lengths[b];
+            const T* qh = q + (b * nkv + h) * group * D;
+            T* oh = out + (b * nkv + h) * group * D;
+            if (L <= 0) {
+                std::fill(oh, oh + group * D, T(0));
+                continue;
+            }
+            const T* K = kv + b * row_stride + h * head_stride;
+            const T* V = kv + b * row_stride + (nkv + h) * head_stride;
+            scores.resize(group * L);
+            scores_of(qh, K, L, group, scale, scores.data());
+            for (int64_t g = 0; g < group; ++g) inv_sum[g] = softmax_in_place(scores.data() + g * L, L);
+            weighted_values(scores.data(), inv_sum, V, L, group, oh);
+        }
+    }
+}
