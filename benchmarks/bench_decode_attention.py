@@ -11,8 +11,9 @@ a regeneration batch at its steady state), cache of 1,290 positions:
   * `inductor`: the same arithmetic as reductions (`torch.compile`, dynamic length);
   * `kernel`: model/decode_attention.py.
 
-Then the whole step: the target's forward over the 64 rows plus the LM head, SDPA (the shipped
-rule) against the kernel. Round-robin over `--reps`, medians; the CPU flags are recorded.
+Then whole engine steps (the target's forward plus the LM head over every token), SDPA (the shipped
+rule) against the kernel: 64 one-token rows of 150-900 positions (regeneration), 32 one-token rows and
+32 / 8 rows of 4 tokens (a verify step) of 150-350 positions (the server's chats). Round-robin over `--reps`, medians; the CPU flags are recorded.
 
     python benchmarks/bench_decode_attention.py --out benchmarks/results/decode_attention.json
 """
@@ -78,7 +79,7 @@ def attention_arms(cfg, dtype) -> tuple[dict, float]:
         "sdpa-per-row": lambda: attention_per_row(q[:, :, None], k, v, lengths.tolist()),
         "flex": lambda: compiled_flex(q[:, :, None], kv[:, :nkv], kv[:, nkv:], block_mask=block_mask, enable_gqa=True),
         "inductor": lambda: compiled_reductions(q, k, v, lengths),
-        "kernel": lambda: da.decode_attention(q, kv[:, :, :longest], lengths),
+        "kernel": lambda: da.decode_attention(q[:, None], kv[:, :, :longest], lengths - 1, torch.ones_like(lengths)),
     }
     for fn in arms.values():  # compile outside the timing
         fn()
@@ -86,20 +87,33 @@ def attention_arms(cfg, dtype) -> tuple[dict, float]:
     return arms, megabytes
 
 
+STEPS = {  # name -> (rows, tokens a row, shortest and longest row)
+    "64x1 (regeneration)": (64, 1, 150, 900),
+    "32x1 (server decode)": (32, 1, 150, 350),
+    "32x4 (server verify)": (32, 4, 150, 350),
+    "8x4 (server verify)": (8, 4, 150, 350),
+}
+
+
 def step_arms(target) -> dict:
-    """The 64-row decode step of the target (forward + LM head), SDPA against the kernel."""
+    """Engine steps of the target (forward + LM head over every token), SDPA against the kernel."""
     model = target.model
-    cache = model.new_cache(ROWS, MAX_LEN)
-    for layer in cache.kv:
-        layer.normal_()
-    lengths = torch.randint(150, 901, (ROWS,), generator=torch.Generator().manual_seed(1))
+    arms = {}
+    for name, (rows, tokens, shortest, longest) in STEPS.items():
+        cache = model.new_cache(rows, longest + tokens)
+        for layer in cache.kv:
+            layer.normal_()
+        lengths = torch.randint(shortest, longest + 1, (rows,), generator=torch.Generator().manual_seed(1))
 
-    def step(kernel: str):
-        os.environ["DSPARK_DECODE_KERNEL"] = kernel
-        cache.lengths = lengths.clone()
-        model.logits(model(torch.randint(0, 1000, (ROWS, 1)), cache).hidden[:, -1])
+        def step(kernel: str, cache=cache, lengths=lengths, rows=rows, tokens=tokens):
+            os.environ["DSPARK_DECODE_KERNEL"] = kernel
+            cache.lengths = lengths.clone()
+            hidden = model(torch.randint(0, 1000, (rows, tokens)), cache).hidden
+            model.logits(hidden.reshape(rows * tokens, -1))
 
-    return {"step-sdpa": lambda: step("0"), "step-kernel": lambda: step("1")}
+        arms[f"step {name}, sdpa"] = lambda step=step: step("0")
+        arms[f"step {name}, kernel"] = lambda step=step: step("1")
+    return arms
 
 
 def main() -> int:
@@ -124,7 +138,7 @@ def main() -> int:
               "rows": ROWS, "kv_megabytes_read_by_the_kernel": round(megabytes, 1), "median_ms": ms,
               "kernel_gb_per_s": round(megabytes / ms["kernel"], 1)}
     for name, t in ms.items():
-        print(f"{name:>13}: {t:8.2f} ms")
+        print(f"{name:>40}: {t:8.2f} ms")
     print(f"kernel: {report['kernel_gb_per_s']} GB/s of K/V ({megabytes:.1f} MB)")
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -1,5 +1,5 @@
-"""The ragged one-token decode-attention kernel (model/decode_attention.py): built by Inductor's toolchain on
-this machine, equal to SDPA row by row, never reading a row's cache beyond its length."""
+"""The ragged decode-attention kernel (model/decode_attention.py): built by Inductor's toolchain on this
+machine, equal to SDPA row by row and token by token, never reading a row's cache beyond what each token sees."""
 
 import logging
 
@@ -13,33 +13,45 @@ CPU = torch.device("cpu")
 SHAPES = [(9, 3, 64), (4, 2, 16), (8, 2, 32), (16, 2, 128), (6, 6, 64), (16, 2, 48)]  # heads, kv heads, head dim
 
 
-def reference(q, kv, lengths):
-    """Each row alone through fp32 SDPA over exactly its positions."""
+def reference(q, kv, start, count):
+    """Each token of each row alone through fp32 SDPA over exactly the positions it sees."""
     nkv = kv.shape[1] // 2
     out = torch.zeros(q.shape, dtype=torch.float32)
-    for b, n in enumerate(lengths.tolist()):
-        if n:
+    for b in range(q.shape[0]):
+        for i in range(int(count[b])):
+            n = int(start[b]) + i + 1
             k, v = kv[b : b + 1, :nkv, :n].float(), kv[b : b + 1, nkv:, :n].float()
-            out[b] = F.scaled_dot_product_attention(q[b : b + 1, :, None].float(), k, v, enable_gqa=True)[0, :, 0]
+            out[b, i] = F.scaled_dot_product_attention(q[b : b + 1, i, :, None].float(), k, v, enable_gqa=True)[0, :, 0]
     return out
 
 
+def ragged_batch(heads, kv_heads, head_dim, queries, dtype):
+    """Rows of ragged lengths (an idle row, one key, around the vector width, long) with `queries` slots,
+    each row's cache past its last token filled with NaN (a stale or rolled-back cache: never read)."""
+    g = torch.Generator().manual_seed(head_dim + queries)
+    start = torch.tensor([0, 0, 14, 15, 16, 230, 246, 6])
+    count = torch.tensor([0, 1, 1, queries, min(2, queries), queries, 1, queries])
+    kv = torch.randn(len(start), 2 * kv_heads, 256, head_dim, generator=g).to(dtype)
+    for b, n in enumerate((start + count).tolist()):
+        kv[b, :, n:] = float("nan")
+    q = torch.randn(len(start), queries, heads, head_dim, generator=g).to(dtype)
+    return q, kv, start, count
+
+
+@pytest.mark.parametrize("queries", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", SHAPES)
-def test_kernel_equals_sdpa_row_by_row_and_reads_nothing_past_a_row(dtype, heads, kv_heads, head_dim):
+def test_kernel_equals_sdpa_token_by_token_and_reads_nothing_past_a_row(dtype, heads, kv_heads, head_dim, queries):
     assert da.supports(dtype, CPU, heads, kv_heads, head_dim), "the kernel did not build or refused a common shape"
-    g = torch.Generator().manual_seed(head_dim)
-    lengths = torch.tensor([0, 1, 15, 16, 17, 233, 250, 7])  # idle row, one key, around the vector width, long
-    kv = torch.randn(len(lengths), 2 * kv_heads, 256, head_dim, generator=g).to(dtype)
-    for b, n in enumerate(lengths.tolist()):
-        kv[b, :, n:] = float("nan")  # a stale or rolled-back cache: never read
-    q = torch.randn(len(lengths), heads, head_dim, generator=g).to(dtype)
-    out = da.decode_attention(q, kv[:, :, :250], lengths)  # a view of the cache up to the longest row
-    want = reference(q, kv, lengths)
+    q, kv, start, count = ragged_batch(heads, kv_heads, head_dim, queries, dtype)
+    longest = int((start + count).max())
+    out = da.decode_attention(q, kv[:, :, :longest], start, count)  # a view of the cache up to the longest row
+    want = reference(q, kv, start, count)
     assert out.dtype == dtype and not bool(out.isnan().any())
     tol = 1e-5 if dtype == torch.float32 else 1e-2 * float(want.abs().max())  # bf16: the output's rounding
     assert float((out.float() - want).abs().max()) <= tol
-    assert bool((out[0] == 0).all())
+    for b, n in enumerate(count.tolist()):
+        assert bool((out[b, n:] == 0).all())  # slots past a row's tokens
 
 
 def test_shapes_it_does_not_run_fall_back():
@@ -71,8 +83,10 @@ def test_a_failed_build_logs_once_and_leaves_sdpa(monkeypatch, tmp_path, caplog)
         da._built.cache_clear()
 
 
-def test_bad_lengths_are_refused():
+def test_bad_rows_are_refused():
     kv = torch.zeros(2, 4, 8, 16)
-    q = torch.zeros(2, 4, 16)
+    q = torch.zeros(2, 2, 4, 16)
     with pytest.raises(ValueError, match="outside"):
-        da.decode_attention(q, kv, torch.tensor([3, 9]))
+        da.decode_attention(q, kv, torch.tensor([3, 7]), torch.tensor([1, 2]))  # past the cache
+    with pytest.raises(ValueError, match="outside"):
+        da.decode_attention(q, kv, torch.tensor([0, 0]), torch.tensor([3, 1]))  # more tokens than slots

@@ -1,13 +1,15 @@
-// One-token attention of a batch of ragged rows (see decode_attention.py for why it exists).
+// Decode-shaped attention of a batch of ragged rows (see decode_attention.py for why it exists).
 //
 // Built by PyTorch Inductor's own C++ toolchain (CppPythonBindingsCodeCache): its prefix header brings
 // at::vec::Vectorized for the CPU's widest ISA. The loader defines DSPARK_T (the cache's element type)
 // and DSPARK_D (the head dimension, a multiple of the vector width) before this file.
 //
-// Task (b, h) = row b, K/V head h: the row's `group` query heads (folded GQA) attend to its first
-// lengths[b] positions, nothing beyond (the cache past a row's length is never read). fp32 throughout,
-// exp as PyTorch's flash kernel computes it (exp_u20). Two passes over K and V, no padding:
-//   scores s[g][l] = q[g] . k[l] * scale;  p = softmax_l(s);  out[g] = sum_l p[g][l] v[l]
+// Row b brings count[b] query tokens at positions start[b], start[b] + 1, ...; its token i attends to
+// the row's first start[b] + i + 1 cached positions (its own K/V already written), nothing beyond: the
+// cache past a row's length is never read. Task (b, h) = row b, K/V head h, with the query heads of
+// its group (folded GQA) for each of the row's tokens: M = count * group query vectors. fp32
+// throughout, exp as PyTorch's flash kernel computes it (exp_u20). One pass over K, one over V:
+//   scores s[m][l] = q[m] . k[l] * scale;  p = softmax over l < L_m;  out[m] = sum_l p[m][l] v[l]
 #include <torch/csrc/inductor/cpp_prefix.h>
 
 #include <limits>
@@ -101,29 +103,39 @@ static void weighted_values(const float* p, const float* inv_sum, const T* V, in
         for (int64_t c = 0; c < C; ++c) store(acc[g][c] * Vec(inv_sum[g]), oh + g * D + c * W);
 }
 
-// q, out [B, nkv * group, D] contiguous; kv [B, 2 * nkv, max_len, D] with row / head strides (K heads
-// first, then V heads), positions contiguous.
-extern "C" void kernel(const T* q, const T* kv, const int64_t* lengths, T* out, int64_t B, int64_t nkv,
-                       int64_t group, int64_t row_stride, int64_t head_stride, float scale, int64_t threads) {
+// One token's group of query heads attending to the first L positions of one K/V head.
+static void attend(const T* qh, const T* K, const T* V, T* oh, int64_t L, int64_t group, float scale,
+                   std::vector<float>& scores) {
+    float inv_sum[MAX_GROUP];
+    scores.resize(group * L);
+    scores_of(qh, K, L, group, scale, scores.data());
+    for (int64_t g = 0; g < group; ++g) inv_sum[g] = softmax_in_place(scores.data() + g * L, L);
+    weighted_values(scores.data(), inv_sum, V, L, group, oh);
+}
+
+// q, out [B, Q, nkv * group, D] contiguous: row b's count[b] <= Q tokens first (the rest's outputs are
+// zeros); kv [B, 2 * nkv, max_len, D] with row / head strides (K heads first, then V heads), positions
+// contiguous.
+extern "C" void kernel(const T* q, const T* kv, const int64_t* start, const int64_t* count, T* out, int64_t B,
+                       int64_t Q, int64_t nkv, int64_t group, int64_t row_stride, int64_t head_stride, float scale,
+                       int64_t threads) {
+    const int64_t heads = nkv * group;
 #pragma omp parallel num_threads(threads)
     {
         std::vector<float> scores;
-        float inv_sum[MAX_GROUP];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < B * nkv; ++t) {
-            const int64_t b = t / nkv, h = t % nkv, L = lengths[b];
-            const T* qh = q + (b * nkv + h) * group * D;
-            T* oh = out + (b * nkv + h) * group * D;
-            if (L <= 0) {
-                std::fill(oh, oh + group * D, T(0));
-                continue;
-            }
+            const int64_t b = t / nkv, h = t % nkv;
             const T* K = kv + b * row_stride + h * head_stride;
             const T* V = kv + b * row_stride + (nkv + h) * head_stride;
-            scores.resize(group * L);
-            scores_of(qh, K, L, group, scale, scores.data());
-            for (int64_t g = 0; g < group; ++g) inv_sum[g] = softmax_in_place(scores.data() + g * L, L);
-            weighted_values(scores.data(), inv_sum, V, L, group, oh);
+            for (int64_t i = 0; i < Q; ++i) {
+                const int64_t offset = ((b * Q + i) * heads + h * group) * D;
+                if (i < count[b]) {
+                    attend(q + offset, K, V, out + offset, start[b] + i + 1, group, scale, scores);
+                } else {
+                    std::fill(out + offset, out + offset + group * D, T(0));
+                }
+            }
         }
     }
 }

@@ -1,13 +1,13 @@
-"""One-token attention of a batch of ragged rows: the engine's decode step, on a small C++ kernel.
+"""Decode-shaped attention of a batch of ragged rows: the engine's steps, on a small C++ kernel.
 
-In a batched decode step every row brings one query token and attends to its own number of cached
-positions. PyTorch offers no kernel that fits on a CPU (measured: 64 rows of 150-900 positions, SmolLM2's
-3 K/V heads x 3 query heads x 64, bf16, 2 threads, AVX512-BF16 EPYC; benchmarks/results/README.md,
-"ragged decode attention"): SDPA's flash kernel reads up to the longest row for every row under a mask,
-or pays ~20 us a call a row at a time, and in both spends its time in tiny-GEMM calls (6.1 ms a layer);
-FlexAttention's compiled CPU template with a block mask 11.9 ms; Inductor's code for the same
-arithmetic written as reductions 4.8 ms; batched matmuls 10.8 ms. This kernel (decode_attention.cpp)
-reads each row's K and V once, up to its length, and runs at ~20 GB/s: 1.3 ms.
+In a batched decode step every row brings one query token (a verify step: a few) and attends to its
+own number of cached positions. PyTorch offers no kernel that fits on a CPU (measured: 64 one-token rows
+of 150-900 positions, SmolLM2's 3 K/V heads x 3 query heads x 64, bf16, 2 threads, AVX512-BF16 EPYC;
+benchmarks/results/README.md, "ragged decode attention"): SDPA's flash kernel reads up to the longest
+row for every row under a mask, or pays ~20 us a call a row at a time, and in both spends its time in
+tiny-GEMM calls (7.7-8.6 ms a layer); FlexAttention's compiled CPU template with a block mask 13.8 ms;
+Inductor's code for the same arithmetic written as reductions 7.3 ms. This kernel (decode_attention.cpp)
+reads each row's K and V once, up to what each token sees: 1.8 ms.
 
 It is built on first use by PyTorch Inductor's own C++ toolchain and code cache (the compiler and the
 vector ISA flags `torch.compile` already uses; a few seconds once per machine, cached on disk). Where
@@ -32,6 +32,7 @@ SOURCE = Path(__file__).with_name("decode_attention.cpp")
 C_TYPES = {torch.bfloat16: "bfloat16", torch.float32: "float"}
 MAX_GROUP = 8  # query heads per K/V head (decode_attention.cpp)
 MAX_HEAD_DIM = 256
+MAX_QUERIES = 16  # tokens a row; longer blocks (prefills) go to SDPA
 
 
 def enabled() -> bool:
@@ -46,7 +47,7 @@ def _built(dtype: torch.dtype, head_dim: int) -> Callable | None:
     c_type = C_TYPES[dtype]
     source = f"#define DSPARK_T {c_type}\n#define DSPARK_D {head_dim}\n" + SOURCE.read_text()
     pointer, value = f"const {c_type}*", "int64_t"
-    argtypes = [pointer, pointer, "const int64_t*", f"{c_type}*"] + [value] * 5 + ["float", value]
+    argtypes = [pointer, pointer, "const int64_t*", "const int64_t*", f"{c_type}*"] + [value] * 6 + ["float", value]
     try:
         return CppPythonBindingsCodeCache.load_pybinding(argtypes, source)
     except Exception as e:  # no compiler, an unsupported ISA or torch version: SDPA serves instead
@@ -73,19 +74,21 @@ def supports(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int
     return _built(dtype, head_dim) is not None
 
 
-def decode_attention(q: torch.Tensor, kv: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """q [B, nh, d]: each row's one query token; kv [B, 2 * nkv, L, d]: a layer's cache (K heads, then
-    V heads; positions contiguous); lengths [B]: the positions row b attends to (0: no query, zeros out)
-    -> [B, nh, d]. Only `supports`ed shapes."""
-    B, nh, d = q.shape
+def decode_attention(q: torch.Tensor, kv: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """q [B, Q, nh, d]: row b's `count[b]` (<= Q) query tokens first, at positions start[b], start[b] + 1, ...,
+    their K/V already in the cache; kv [B, 2 * nkv, L, d]: a layer's cache (K heads, then V heads;
+    positions contiguous) -> [B, Q, nh, d]: token i of row b attends to the row's first start[b] + i + 1
+    positions (causal); zeros where i >= count[b]. Only `supports`ed shapes."""
+    B, Q, nh, d = q.shape
     nkv = kv.shape[1] // 2
     if kv.stride(3) != 1 or kv.stride(2) != d:
         raise ValueError("decode_attention needs each K/V head's positions contiguous")
-    lengths = lengths.to(torch.int64).contiguous()
-    if int(lengths.max()) > kv.shape[2] or int(lengths.min()) < 0:
-        raise ValueError(f"row lengths {lengths.tolist()} outside the cache's {kv.shape[2]} positions")
+    start, count = start.to(torch.int64).contiguous(), count.to(torch.int64).contiguous()
+    if int(count.max()) > Q or int(count.min()) < 0 or int(start.min()) < 0 or int((start + count).max()) > kv.shape[2]:
+        raise ValueError(f"rows of {count.tolist()} tokens at {start.tolist()} outside the cache's {kv.shape[2]} "
+                         f"positions or the {Q} query slots")
     q = q.contiguous()
     out = torch.empty_like(q)
-    _built(q.dtype, d)(q, kv, lengths, out, B, nkv, nh // nkv, kv.stride(0), kv.stride(1), 1 / math.sqrt(d),
+    _built(q.dtype, d)(q, kv, start, count, out, B, Q, nkv, nh // nkv, kv.stride(0), kv.stride(1), 1 / math.sqrt(d),
                        torch.get_num_threads())
     return out

@@ -301,19 +301,20 @@ class TargetModel(nn.Module):
 
     def _attention_of(self, tokens: TokenLayout, start, end, kv_len: int, tree) -> Callable:
         """How this forward's layers attend: a function (queries [B, nh, q, d], a layer's cache
-        [B, 2 * nkv, kv_len, d]) -> [B, nh, q, d]. A batch of one-token rows (the engine's decode step)
-        runs the ragged decode kernel, or SDPA a row at a time when their lengths spread; else one SDPA
-        call, masked unless a lone row attends to all it has."""
+        [B, 2 * nkv, kv_len, d]) -> [B, nh, q, d]. The engine's decode and verify steps (rows of up to
+        MAX_QUERIES tokens) run the ragged decode kernel; without it, one-token rows whose lengths spread
+        attend a row at a time; else one SDPA call, masked unless a lone row attends to all it has."""
         c = self.cfg
-        nkv, B = c.num_key_value_heads, tokens.B
-        if tokens.q == 1 and B > 1 and tree is None:
+        nkv, B, q = c.num_key_value_heads, tokens.B, tokens.q
+        if B > 1 and tree is None and q <= decode_attention.MAX_QUERIES:
             if decode_attention.supports(self.dtype, self.device, c.num_attention_heads, nkv, c.head_dim):
-                lengths = end * (end > start)
-                return lambda q, kv: decode_attention.decode_attention(q.squeeze(2), kv, lengths).unsqueeze(2)
-            if row_lengths := one_token_row_lengths(start, end):
-                return lambda q, kv: attention_per_row(q, kv[:, :nkv], kv[:, nkv:], row_lengths)
-        mask = None if tokens.q == 1 and B == 1 else tokens.mask(kv_len, None if tree is None else tree[1])
-        return lambda q, kv: attention(q, kv[:, :nkv], kv[:, nkv:], mask)
+                count = end - start
+                return lambda qs, kv: decode_attention.decode_attention(
+                    qs.transpose(1, 2), kv, start, count).transpose(1, 2)
+            if q == 1 and (row_lengths := one_token_row_lengths(start, end)):
+                return lambda qs, kv: attention_per_row(qs, kv[:, :nkv], kv[:, nkv:], row_lengths)
+        mask = None if q == 1 and B == 1 else tokens.mask(kv_len, None if tree is None else tree[1])
+        return lambda qs, kv: attention(qs, kv[:, :nkv], kv[:, nkv:], mask)
 
     def _output_and_mlp(self, x, layer, kern, attn: torch.Tensor, tokens: TokenLayout) -> torch.Tensor:
         """The rest of a layer after its attention `attn` [B, nh, q, hd]: output projection, MLP, residuals."""
