@@ -318,7 +318,7 @@ class TargetModel(nn.Module):
 
     def _output_and_mlp(self, x, layer, kern, attn: torch.Tensor, tokens: TokenLayout) -> torch.Tensor:
         """The rest of a layer after its attention `attn` [B, nh, q, hd]: output projection, MLP, residuals."""
-        x = x + kern.o(tokens.pack(attn.transpose(1, 2)).reshape(x.shape[0], -1))
+        x = x + kern.o(tokens.pack(attn.transpose(1, 2)).flatten(1))
         if self.fast:
             h = self._normed(x, None if kern.fold_norms else layer.post_norm)
         else:
