@@ -106,8 +106,7 @@ def test_one_token_rows_of_ragged_lengths_equal_one_by_one(tiny_targets, monkeyp
     monkeypatch.setattr(transformer, "PER_ROW_SPREAD", spread)
     monkeypatch.setenv("DSPARK_DECODE_KERNEL", "1" if mode == "kernel" else "0")
     called = []
-    monkeypatch.setattr(decode_attention, "decode_attention",
-                        lambda *a, f=decode_attention.decode_attention: called.append(1) or f(*a))
+    monkeypatch.setattr(decode_attention, "run", lambda *a, f=decode_attention.run: called.append(1) or f(*a))
     model = load_target(tiny_targets[0][1], dtype=dtype, require_tokenizer=False).model
     g = torch.Generator().manual_seed(5)
     seqs = [torch.randint(3, 128, (n,), generator=g) for n in (40, 2, 0, 17)]

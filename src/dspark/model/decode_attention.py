@@ -74,21 +74,33 @@ def supports(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int
     return _built(dtype, head_dim) is not None
 
 
-def decode_attention(q: torch.Tensor, kv: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """q [B, Q, nh, d]: row b's `count[b]` (<= Q) query tokens first, at positions start[b], start[b] + 1, ...,
-    their K/V already in the cache; kv [B, 2 * nkv, L, d]: a layer's cache (K heads, then V heads;
-    positions contiguous) -> [B, Q, nh, d]: token i of row b attends to the row's first start[b] + i + 1
-    positions (causal); zeros where i >= count[b]. Only `supports`ed shapes."""
+def checked_rows(start: torch.Tensor, count: torch.Tensor, queries: int, positions: int) -> tuple[torch.Tensor, ...]:
+    """`start` / `count` as the kernel reads them (int64, contiguous), refused where a row's tokens do not
+    fit the `queries` slots or the cache's `positions`. Once a forward: every layer reuses them."""
+    start, count = start.to(torch.int64).contiguous(), count.to(torch.int64).contiguous()
+    end = start + count
+    if int(count.max()) > queries or int(count.min()) < 0 or int(start.min()) < 0 or int(end.max()) > positions:
+        raise ValueError(f"rows of {count.tolist()} tokens at {start.tolist()} outside the cache's {positions} "
+                         f"positions or the {queries} query slots")
+    return start, count
+
+
+def run(q: torch.Tensor, kv: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """`decode_attention` on rows already `checked_rows`."""
     B, Q, nh, d = q.shape
     nkv = kv.shape[1] // 2
     if kv.stride(3) != 1 or kv.stride(2) != d:
         raise ValueError("decode_attention needs each K/V head's positions contiguous")
-    start, count = start.to(torch.int64).contiguous(), count.to(torch.int64).contiguous()
-    if int(count.max()) > Q or int(count.min()) < 0 or int(start.min()) < 0 or int((start + count).max()) > kv.shape[2]:
-        raise ValueError(f"rows of {count.tolist()} tokens at {start.tolist()} outside the cache's {kv.shape[2]} "
-                         f"positions or the {Q} query slots")
     q = q.contiguous()
     out = torch.empty_like(q)
     _built(q.dtype, d)(q, kv, start, count, out, B, Q, nkv, nh // nkv, kv.stride(0), kv.stride(1), 1 / math.sqrt(d),
                        torch.get_num_threads())
     return out
+
+
+def decode_attention(q: torch.Tensor, kv: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """q [B, Q, nh, d]: row b's `count[b]` (<= Q) query tokens first, at positions start[b], start[b] + 1, ...,
+    their K/V already in the cache; kv [B, 2 * nkv, L, d]: a layer's cache (K heads, then V heads;
+    positions contiguous) -> [B, Q, nh, d]: token i of row b attends to the row's first start[b] + i + 1
+    positions (causal); zeros where i >= count[b]. Only `supports`ed shapes."""
+    return run(q, kv, *checked_rows(start, count, q.shape[1], kv.shape[2]))

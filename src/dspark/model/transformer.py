@@ -308,9 +308,8 @@ class TargetModel(nn.Module):
         nkv, B, q = c.num_key_value_heads, tokens.B, tokens.q
         if B > 1 and tree is None and q <= decode_attention.MAX_QUERIES:
             if decode_attention.supports(self.dtype, self.device, c.num_attention_heads, nkv, c.head_dim):
-                count = end - start
-                return lambda qs, kv: decode_attention.decode_attention(
-                    qs.transpose(1, 2), kv, start, count).transpose(1, 2)
+                rows = decode_attention.checked_rows(start, end - start, q, kv_len)  # once, not per layer
+                return lambda qs, kv: decode_attention.run(qs.transpose(1, 2), kv, *rows).transpose(1, 2)
             if q == 1 and (row_lengths := one_token_row_lengths(start, end)):
                 return lambda qs, kv: attention_per_row(qs, kv[:, :nkv], kv[:, nkv:], row_lengths)
         mask = None if q == 1 and B == 1 else tokens.mask(kv_len, None if tree is None else tree[1])
