@@ -100,7 +100,8 @@ class BranchOracle(Drafter):
     def propose(self, anchor, max_tokens, params, generator):
         return DraftBlock([])
 
-    def propose_tree(self, anchor, limits, params, generator):
+    def propose_tree(self, anchor, limits, params, generator, branch=()):
+        assert not branch, "the oracle takes no given branch"
         tokens, parents, parent = [], [], -1
         truth = self.continuation[self.done - self.prompt_len + 1:][: min(3, limits.depth)]
         for t in truth:

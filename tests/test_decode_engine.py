@@ -21,6 +21,7 @@ from dspark.decode.generate import Decoder
 from dspark.draft.dspark import DSparkDrafter
 from dspark.draft.prompt_lookup import PromptLookupDrafter
 from dspark.errors import DsparkError
+from dspark.model import decode_attention
 from dspark.model.loading import load_target
 from dspark.sampling import SamplingParams
 from dspark.schedule.policies import SPSTable, parse_policy
@@ -53,6 +54,41 @@ def test_batched_greedy_equals_plain_greedy_for_every_policy(tiny_targets, polic
     verified = sum(x.verified for r in done for x in r.rounds)
     assert (verified == 0) == (policy == "ar")
     assert (engine.drafter is None) == (policy == "ar")  # AR runs no drafter
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched-drafter", "per-request-drafters"])
+@pytest.mark.parametrize("policy", ["tree:6", "tree"])
+def test_lookup_branches_keep_batched_greedy_exact(tiny_targets, policy, batched, monkeypatch):
+    """`DRAFTER+lookup` in the engine: each row's trees also hold its prompt-lookup continuation
+    (random prompts over a 128-token vocabulary repeat n-grams, so branches are found often)."""
+    from dspark.draft import hybrid
+    from dspark.draft.hybrid import LookupBranchDrafter
+
+    target = load_target(tiny_targets[1][1], dtype=torch.float32, require_tokenizer=False)
+    drafter = make_random_dspark(target, "vanilla", block_size=5, std=0.3)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 40, (int(n),), generator=gen).tolist() for n in torch.randint(2, 30, (10,), generator=gen)]
+    budgets = [int(n) for n in torch.randint(1, 40, (10,), generator=gen)]
+    ar = Decoder(target)
+    want = [ar.generate(p, n).token_ids for p, n in zip(prompts, budgets)]
+    branches, kernel_trees = [], []
+    find, attend = hybrid.lookup_branch, decode_attention.run
+    monkeypatch.setattr(hybrid, "lookup_branch", lambda *a: branches.append(find(*a)) or branches[-1])
+    monkeypatch.setattr(decode_attention, "run", lambda q, kv, *rows: kernel_trees.append(len(rows) == 3) or attend(q, kv, *rows))
+    if batched:
+        engine = Engine(target, policy=parse_policy(policy, SPS), max_batch=4, draft_model=drafter.model,
+                        lookup_branches=True)
+    else:
+        engine = Engine(target, lambda: LookupBranchDrafter(_shared_model_drafters(drafter)()), parse_policy(policy, SPS),
+                        max_batch=4)
+    done = engine.run([Request(p, n) for p, n in zip(prompts, budgets)])
+    assert [r.token_ids for r in done] == want
+    # the trees took lookup branches (per-request drafters grow trees for a lone row only: fewer)
+    assert sum(map(bool, branches)) >= (10 if batched else 3), branches
+    if batched and decode_attention.supports(torch.float32, torch.device("cpu"), 4, 2, 16):
+        assert any(kernel_trees)  # the rows' trees attended through the ragged kernel
+    with pytest.raises(DsparkError, match="@tree"):
+        Engine(target, policy=parse_policy("dspark", SPS), max_batch=4, draft_model=drafter.model, lookup_branches=True)
 
 
 class _CountingGate:
@@ -143,18 +179,24 @@ def test_scheduled_sampling_keeps_the_target_distribution(tmp_path, policy, draf
     assert tv < 0.01, f"total variation {tv:.4f}"
 
 
-def test_tree_rows_of_a_batch_keep_the_target_distribution(tmp_path):
+@pytest.mark.parametrize("lookup", [False, True], ids=["trees", "trees-with-lookup-branches"])
+def test_tree_rows_of_a_batch_keep_the_target_distribution(tmp_path, lookup, monkeypatch):
     """T=1, 16 requests per batch, each row verifying its own token tree in one ragged forward, the rows'
-    trees grown together while the batch's cost curve says so: the first two tokens follow the exact
-    joint."""
+    trees grown together while the batch's cost curve says so (with `lookup`, each also holding its
+    prompt-lookup branch: deterministic children): the first two tokens follow the exact joint."""
     target = tiny_sharp_target(tmp_path)
     drafter = make_random_dspark(target, "vanilla", block_size=3, rank=4, std=0.5)
     params = SamplingParams(temperature=1.0)
     chosen = parse_policy("tree", SPSTable(tuple(100.0 / (1 + 0.02 * (b - 1)) for b in range(1, 129))))
     chosen.gate = None  # every step drafts
-    engine = Engine(target, policy=chosen, max_batch=16, draft_model=drafter.model)
+    engine = Engine(target, policy=chosen, max_batch=16, draft_model=drafter.model, lookup_branches=lookup)
+    from dspark.draft import hybrid
+
+    found, find = [], hybrid.lookup_branch
+    monkeypatch.setattr(hybrid, "lookup_branch", lambda *a: found.append(bool(find(*a))) or find(*a))
     n = 10_000
     done = engine.run([Request(TV_PROMPT, 3, params, seed=s) for s in range(n)])
+    assert (sum(found) > n // 4) == lookup  # TV_PROMPT repeats tokens: most first rounds find a branch
     nodes = [r.rounds[0].nodes for r in done]
     assert 1 < statistics.fmean(nodes) < chosen.tree_nodes  # real trees, the batch's curve admitting some nodes
     tv = total_variation([r.token_ids for r in done], exact_first_two(target, params), 4)

@@ -15,6 +15,7 @@ from dspark.draft.export import export_drafter
 from dspark.errors import DsparkError
 from dspark.model.loading import load_target
 from dspark.sampling import SamplingParams
+from dspark.schedule.policies import parse_policy
 
 
 @pytest.fixture(scope="module")
@@ -252,8 +253,11 @@ def test_auto_picks_the_bundled_drafter_of_the_target_else_prompt_lookup(tiny, t
     for bad, why in (("prompt-lookup+lookup", "model drafter"), (f"{bundled}+lookup@full", "@tree")):
         with pytest.raises(DsparkError, match=why):
             speculation.load_speculation(bad, qwen3)
-    with pytest.raises(DsparkError, match="batched engine takes no prompt-lookup branches"):
-        speculation.engine_factory(qwen3, f"{bundled}+lookup")
+    make, _, _ = speculation.engine_factory(qwen3, f"{bundled}+lookup")  # the engine's trees take the branches
+    assert type(make(parse_policy("tree:4"), 2).drafter).__name__ == "BatchLookupBranches"
+    with pytest.raises(DsparkError, match="@tree"):
+        make(parse_policy("full"), 2)
+    assert speculation.split_spec("auto+lookup", default="dspark") == ("auto+lookup", "tree")
     speculation.check_drafter_spec("auto@full")
     with pytest.raises(DsparkError, match="unknown verification rule"):
         speculation.check_drafter_spec("auto@fast")

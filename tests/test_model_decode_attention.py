@@ -54,6 +54,50 @@ def test_kernel_equals_sdpa_token_by_token_and_reads_nothing_past_a_row(dtype, h
         assert bool((out[b, n:] == 0).all())  # slots past a row's tokens
 
 
+def tree_reference(q, kv, start, count, visible):
+    """Each tree node alone through fp32 SDPA over its row's context and the nodes it sees."""
+    nkv = kv.shape[1] // 2
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    for b in range(q.shape[0]):
+        s = int(start[b])
+        for i in range(int(count[b])):
+            keys = list(range(s)) + [s + j for j in range(int(count[b])) if visible[b, i, j]]
+            k, v = kv[b : b + 1, :nkv, keys].float(), kv[b : b + 1, nkv:, keys].float()
+            out[b, i] = F.scaled_dot_product_attention(q[b : b + 1, i, :, None].float(), k, v, enable_gqa=True)[0, :, 0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", SHAPES[:3])
+def test_tree_rows_attend_to_their_context_and_the_nodes_they_see(dtype, heads, kv_heads, head_dim):
+    """Token trees (random parents, each node seeing its ancestors and itself), one a row, ragged: the
+    kernel equals SDPA over exactly the context and the visible nodes, and reads no unseen node's K/V
+    (NaN there) nor the cache past a row's nodes."""
+    queries = 7
+    q, kv, start, count = ragged_batch(heads, kv_heads, head_dim, queries, dtype)
+    g = torch.Generator().manual_seed(1)
+    visible = torch.eye(queries, dtype=torch.bool).repeat(len(start), 1, 1)
+    for b in range(len(start)):
+        for i in range(1, queries):
+            parent = int(torch.randint(0, i, (1,), generator=g))
+            visible[b, i] |= visible[b, parent]
+    want = tree_reference(q, kv, start, count, visible)
+    out = da.decode_attention(q, kv[:, :, : int((start + count).max())], start, count, visible)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2 * float(want.abs().max())
+    assert not bool(out.isnan().any()) and float((out.float() - want).abs().max()) <= tol
+    # NaN in the K/V of nodes a token does not see reaches none of its outputs
+    for b, n in enumerate(count.tolist()):
+        s0 = int(start[b])
+        for j in range(1, n):
+            if not bool(visible[b, j + 1 :, j].any()):  # no later node sees node j
+                poisoned = kv.clone()
+                poisoned[b, :, s0 + j] = float("nan")
+                blind = [i for i in range(n) if i != j]
+                assert not bool(da.decode_attention(q, poisoned, start, count, visible)[b, blind].isnan().any())
+    with pytest.raises(ValueError, match="tree visibility"):
+        da.decode_attention(q, kv, start, count, visible[:, :3])
+
+
 def test_shapes_it_does_not_run_fall_back():
     assert not da.supports(torch.float16, CPU, 9, 3, 64)
     assert not da.supports(torch.float32, CPU, 18, 2, 64)  # 9 query heads a K/V head

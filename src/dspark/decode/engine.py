@@ -19,6 +19,7 @@ import torch
 from dspark.decode.step import DecodeStep, Round, Row, draft_budget
 from dspark.decode.stopping import StopChecker
 from dspark.draft.base import BatchDrafter, Drafter, PerRequestDrafters
+from dspark.draft.hybrid import SUFFIX, BatchLookupBranches
 from dspark.errors import DsparkError
 from dspark.model.target import Target
 from dspark.sampling import SamplingParams, new_generator
@@ -64,8 +65,9 @@ class Engine:
 
     Drafting: `draft_model` (a DSpark / DFlash model) drafts for all slots in one batched pass;
     otherwise `make_drafter` builds one Drafter per request (e.g. prompt lookup, EAGLE-3); with
-    neither, no speculation. `policy` picks ℓ_r (default: plain AR). Ragged rows' padding is never
-    computed nor cached, so every slot may use the target's whole window."""
+    neither, no speculation. `lookup_branches`: the drafter's token trees also take each row's
+    prompt-lookup continuation (`DRAFTER+lookup`; tree policies). `policy` picks ℓ_r (default: plain AR).
+    Ragged rows' padding is never computed nor cached, so every slot may use the target's whole window."""
 
     def __init__(
         self,
@@ -76,6 +78,7 @@ class Engine:
         max_len: int | None = None,
         draft_model=None,
         temperatures: list[float] | None = None,
+        lookup_branches: bool = False,
     ):
         if max_batch < 1:
             raise DsparkError(f"max_batch must be >= 1, got {max_batch}")
@@ -98,6 +101,11 @@ class Engine:
             drafter = BatchedDSparkDrafter(draft_model, target, max_batch, self.max_len, temperatures)
         elif self.policy.drafts and make_drafter is not None:
             drafter = PerRequestDrafters(make_drafter)
+        if drafter is not None and lookup_branches:
+            if not self.policy.tree_nodes:
+                raise DsparkError(f"`{SUFFIX}` adds prompt-lookup branches to token trees: verify them with the tree "
+                                  f"policy (@tree or @tree:N), not {self.policy.name}")
+            drafter = BatchLookupBranches(drafter)
         self.decode_step = DecodeStep(self.model, drafter, self.policy)
         self._ids = itertools.count()
 

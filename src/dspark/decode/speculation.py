@@ -50,11 +50,11 @@ def check_policy(rule: str, where: str = "") -> tuple[str, str]:
 
 
 def split_spec(spec: str, default: str = "full") -> tuple[str, str]:
-    """`DRAFTER@POLICY` -> (DRAFTER, POLICY), POLICY `default` when not given (`tree` for a path with
-    prompt-lookup branches: `PATH+lookup`). A path containing `@` is a path."""
+    """`DRAFTER@POLICY` -> (DRAFTER, POLICY), POLICY `default` when not given (`tree` for a drafter with
+    prompt-lookup branches: `auto+lookup`, `PATH+lookup`). A path containing `@` is a path."""
     base, sep, rule = spec.rpartition("@")
     if not sep or Path(spec).exists():
-        return spec, "tree" if spec.endswith(SUFFIX) and not spec.startswith("auto") else default
+        return spec, "tree" if spec.endswith(SUFFIX) else default
     check_policy(rule, f" in {spec!r}")
     return base, rule
 
@@ -178,11 +178,12 @@ def engine_factory(target: Target, drafter_spec: str | None,
         return (make(lambda: PromptLookupDrafter(ENGINE_PROMPT_LOOKUP_DRAFTS)), drafter_spec,
                 ENGINE_PROMPT_LOOKUP_DRAFTS)
     drafter = load_drafter(drafter_spec, target)
-    if isinstance(drafter, LookupBranchDrafter):
-        raise DsparkError(f"the batched engine takes no prompt-lookup branches: `{SUFFIX}` works in `dspark "
-                          "generate` and `dspark eval`; serve the drafter without it (`@tree` grows its trees)")
+    lookup = isinstance(drafter, LookupBranchDrafter)  # `+lookup`: each row's trees take its lookup branch
+    if lookup:
+        drafter = drafter.drafter
     model = drafter.model if isinstance(drafter, ModelDrafter) else None
     if isinstance(model, DSparkModel):  # DSpark / DFlash: one batched drafting pass per step
-        return make(draft_model=model, temperatures=drafter.temperatures), drafter_spec, drafter.max_drafts
+        return (make(draft_model=model, temperatures=drafter.temperatures, lookup_branches=lookup), drafter_spec,
+                drafter.max_drafts)
     # EAGLE-3: one drafter per request, sharing the weights
-    return make(lambda: wrap_drafter(model, target)), drafter_spec, drafter.max_drafts
+    return make(lambda: wrap_drafter(model, target), lookup_branches=lookup), drafter_spec, drafter.max_drafts

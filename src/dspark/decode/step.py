@@ -149,9 +149,11 @@ class DecodeStep:
                                            self.policy.tree_admit(len(rows)))
         t2 = time.perf_counter()
         hidden, taps = self._forward_trees(cache, rows, trees)
+        sizes = [1 + len(t) for t in trees]  # one LM-head product over every row's anchor and nodes
+        logits = self.model.logits(torch.cat([hidden[i, :n] for i, n in enumerate(sizes)])).split(sizes)
         results = []
         for i, (r, tree, c) in enumerate(zip(rows, trees, committed)):
-            path, nxt = self._verify_tree(tree, self.model.logits(hidden[i, : 1 + len(tree)]), r)
+            path, nxt = self._verify_tree(tree, logits[i], r)
             kept = [1 + n for n in path]  # the accepted nodes' forward rows (and cache slots past `c`)
             keep_path(cache.row(r.index), c, kept)
             cache.lengths[r.index] = c + 1 + len(path)

@@ -111,8 +111,9 @@ class BatchDrafter(abc.ABC):
 
     def propose_trees(self, rows: list[int], anchors: list[int], limits: list[TreeLimits],
                       params: list[SamplingParams], generators: list[torch.Generator],
-                      admit: Admit | None) -> list[DraftTree]:
-        """A token tree per row within its `limits`, grown while `admit` (over all rows' drafts) says so."""
+                      admit: Admit | None, branches: list[Sequence[tuple[int, float]]] | None = None) -> list[DraftTree]:
+        """A token tree per row within its `limits`, grown while `admit` (over all rows' drafts) says so;
+        `branches[i]`: row i's given first path (`TreeGrowth`'s `branch`), if any."""
         raise NotImplementedError(f"{type(self).__name__} grows no trees")
 
     def catch_up(self, rows: list[int]) -> None:  # noqa: B027 (a no-op unless the drafter defers work)
@@ -143,9 +144,10 @@ class PerRequestDrafters(BatchDrafter):
         return [self.drafters[r].propose(a, n, p, g) if n > 0 else None
                 for r, a, n, p, g in zip(rows, anchors, budgets, params, generators)]
 
-    def propose_trees(self, rows, anchors, limits, params, generators, admit):
+    def propose_trees(self, rows, anchors, limits, params, generators, admit, branches=None):
         (row,), (anchor,), (lim,), (p,), (g,) = rows, anchors, limits, params, generators
-        return [self.drafters[row].propose_tree(anchor, dataclasses.replace(lim, admit=admit), p, g)]
+        return [self.drafters[row].propose_tree(anchor, dataclasses.replace(lim, admit=admit), p, g,
+                                                branches[0] if branches else ())]
 
     def observe(self, row, tokens, taps):
         self.drafters[row].observe(tokens, taps)

@@ -122,15 +122,16 @@ class BatchedDSparkDrafter(BatchDrafter):
 
     @torch.inference_mode()
     def propose_trees(self, slots: list[int], anchors: list[int], limits: list[TreeLimits],
-                      params: list[SamplingParams], generators: list[torch.Generator], admit) -> list[DraftTree]:
+                      params: list[SamplingParams], generators: list[torch.Generator], admit,
+                      branches=None) -> list[DraftTree]:
         """One backbone + LM-head pass over every row's block, then the rows' trees grown together,
-        best-first across rows while `admit` says so (`grow_forest`)."""
+        best-first across rows while `admit` says so (`grow_forest`); `branches`: each row's given path."""
         h, base = self._block_pass(slots, anchors)
         head = self.model.markov_head
         tables = (self._w1, self._w2t) if head is not None else None
         growths = [TreeGrowth(tree_expand(head, h[j], base[j], tables), anchors[j],
                               dataclasses.replace(lim, depth=min(lim.depth, self.block_size)), params[j],
-                              generators[j], self.vocab_head.ids)
+                              generators[j], self.vocab_head.ids, branches[j] if branches else ())
                    for j, lim in enumerate(limits)]
         return grow_forest(growths, admit)
 

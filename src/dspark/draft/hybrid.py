@@ -1,5 +1,6 @@
 """Hybrid proposals: a model drafter's token tree with prompt lookup's continuation as one more
-branch (`DRAFTER+lookup`). The two succeed on different tokens — lookup on text the context already
+branch (`DRAFTER+lookup`), one request at a time (`LookupBranchDrafter`) or for a batch's rows
+(`BatchLookupBranches`). The two succeed on different tokens — lookup on text the context already
 holds (code, quoted numbers), the model everywhere else — and a tree verifies both in one pass.
 
 The branch enters growth with estimated survivals (`LOOKUP_SURVIVAL`) in place of draft
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dspark.draft.base import DraftBlock, Drafter
+from dspark.draft.base import BatchDrafter, DraftBlock, Drafter
 from dspark.draft.prompt_lookup import PromptLookupDrafter
 from dspark.draft.tree import DraftTree, TreeLimits
 from dspark.errors import DsparkError
@@ -51,7 +52,47 @@ class LookupBranchDrafter(Drafter):
                      branch: Sequence[tuple[int, float]] = ()) -> DraftTree:
         if branch:
             raise DsparkError("a lookup-branch drafter brings its own branch")
-        survival = LOOKUP_SURVIVAL[params.greedy]
-        found = self.lookup.continuation(anchor, min(limits.depth, self.max_drafts))
-        branch = [(t, survival[min(i, len(survival) - 1)]) for i, t in enumerate(found)]
-        return self.drafter.propose_tree(anchor, limits, params, generator, branch)
+        return self.drafter.propose_tree(anchor, limits, params, generator,
+                                         lookup_branch(self.lookup, anchor, limits.depth, params))
+
+
+def lookup_branch(lookup: PromptLookupDrafter, anchor: int, depth: int, params: SamplingParams) -> list[tuple[int, float]]:
+    """Prompt lookup's continuation after `anchor` (up to `depth` tokens), as a tree branch: (token,
+    estimated survival) per token."""
+    survival = LOOKUP_SURVIVAL[params.greedy]
+    found = lookup.continuation(anchor, min(depth, lookup.max_drafts))
+    return [(t, survival[min(i, len(survival) - 1)]) for i, t in enumerate(found)]
+
+
+class BatchLookupBranches(BatchDrafter):
+    """A batch drafter's trees with each row's prompt-lookup branch (the engine's `DRAFTER+lookup`);
+    its chains are the drafter's own."""
+
+    def __init__(self, drafter: BatchDrafter):
+        if type(drafter).propose_trees is BatchDrafter.propose_trees:
+            raise DsparkError(f"{type(drafter).__name__} grows no trees: `{SUFFIX}` needs a model drafter")
+        self.drafter = drafter
+        self.tap_layers, self.max_drafts = drafter.tap_layers, drafter.max_drafts
+        self.temperatures, self.tree_rows = drafter.temperatures, drafter.tree_rows
+        self.lookups: dict[int, PromptLookupDrafter] = {}
+
+    def start(self, row, prompt_ids, taps) -> None:
+        self.drafter.start(row, prompt_ids, taps)
+        self.lookups[row] = lookup = PromptLookupDrafter(self.max_drafts)
+        lookup.observe(list(prompt_ids), None)
+
+    def observe(self, row, tokens, taps) -> None:
+        self.drafter.observe(row, tokens, taps)
+        self.lookups[row].observe(tokens, None)
+
+    def catch_up(self, rows) -> None:
+        self.drafter.catch_up(rows)
+
+    def propose(self, rows, anchors, budgets, params, generators):
+        return self.drafter.propose(rows, anchors, budgets, params, generators)
+
+    def propose_trees(self, rows, anchors, limits, params, generators, admit, branches=None):
+        if branches is not None:
+            raise DsparkError("a lookup-branch drafter brings its own branches")
+        branches = [lookup_branch(self.lookups[r], a, lim.depth, p) for r, a, lim, p in zip(rows, anchors, limits, params)]
+        return self.drafter.propose_trees(rows, anchors, limits, params, generators, admit, branches)

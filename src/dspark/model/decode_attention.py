@@ -33,6 +33,7 @@ C_TYPES = {torch.bfloat16: "bfloat16", torch.float32: "float"}
 MAX_GROUP = 8  # query heads per K/V head (decode_attention.cpp)
 MAX_HEAD_DIM = 256
 MAX_QUERIES = 16  # tokens a row; longer blocks (prefills) go to SDPA
+MAX_TREE_NODES = 63  # a token tree's row: its visibility is a 64-bit mask a token
 
 
 def enabled() -> bool:
@@ -47,7 +48,8 @@ def _built(dtype: torch.dtype, head_dim: int) -> Callable | None:
     c_type = C_TYPES[dtype]
     source = f"#define DSPARK_T {c_type}\n#define DSPARK_D {head_dim}\n" + SOURCE.read_text()
     pointer, value = f"const {c_type}*", "int64_t"
-    argtypes = [pointer, pointer, "const int64_t*", "const int64_t*", f"{c_type}*"] + [value] * 6 + ["float", value]
+    argtypes = [pointer, pointer, "const int64_t*", "const int64_t*", "const int64_t*", f"{c_type}*"] + [value] * 6 + [
+        "float", value, value]
     try:
         return CppPythonBindingsCodeCache.load_pybinding(argtypes, source)
     except Exception as e:  # no compiler, an unsupported ISA or torch version: SDPA serves instead
@@ -74,18 +76,27 @@ def supports(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int
     return _built(dtype, head_dim) is not None
 
 
-def checked_rows(start: torch.Tensor, count: torch.Tensor, queries: int, positions: int) -> tuple[torch.Tensor, ...]:
-    """`start` / `count` as the kernel reads them (int64, contiguous), refused where a row's tokens do not
+def checked_rows(start: torch.Tensor, count: torch.Tensor, queries: int, positions: int,
+                 visible: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """`start` / `count` (and a batch of token trees' `visible` [B, queries, queries] bool) as the kernel
+    reads them (int64, contiguous; `visible` as a bitmask a token), refused where a row's tokens do not
     fit the `queries` slots or the cache's `positions`. Once a forward: every layer reuses them."""
     start, count = start.to(torch.int64).contiguous(), count.to(torch.int64).contiguous()
     end = start + count
     if int(count.max()) > queries or int(count.min()) < 0 or int(start.min()) < 0 or int(end.max()) > positions:
         raise ValueError(f"rows of {count.tolist()} tokens at {start.tolist()} outside the cache's {positions} "
                          f"positions or the {queries} query slots")
-    return start, count
+    if visible is None:
+        return start, count
+    if queries > MAX_TREE_NODES or visible.shape != (start.shape[0], queries, queries):
+        raise ValueError(f"tree visibility {tuple(visible.shape)} for {start.shape[0]} rows of {queries} tokens "
+                         f"(at most {MAX_TREE_NODES})")
+    bits = torch.ones(queries, dtype=torch.int64).bitwise_left_shift(torch.arange(queries))
+    return start, count, (visible.to(torch.int64) * bits).sum(-1).contiguous()
 
 
-def run(q: torch.Tensor, kv: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+def run(q: torch.Tensor, kv: torch.Tensor, start: torch.Tensor, count: torch.Tensor,
+        seen: torch.Tensor | None = None) -> torch.Tensor:
     """`decode_attention` on rows already `checked_rows`."""
     B, Q, nh, d = q.shape
     nkv = kv.shape[1] // 2
@@ -93,14 +104,17 @@ def run(q: torch.Tensor, kv: torch.Tensor, start: torch.Tensor, count: torch.Ten
         raise ValueError("decode_attention needs each K/V head's positions contiguous")
     q = q.contiguous()
     out = torch.empty_like(q)
-    _built(q.dtype, d)(q, kv, start, count, out, B, Q, nkv, nh // nkv, kv.stride(0), kv.stride(1), 1 / math.sqrt(d),
-                       torch.get_num_threads())
+    _built(q.dtype, d)(q, kv, start, count, start if seen is None else seen, out, B, Q, nkv, nh // nkv, kv.stride(0),
+                       kv.stride(1), 1 / math.sqrt(d), int(seen is not None), torch.get_num_threads())
     return out
 
 
-def decode_attention(q: torch.Tensor, kv: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, kv: torch.Tensor, start: torch.Tensor, count: torch.Tensor,
+                     visible: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Q, nh, d]: row b's `count[b]` (<= Q) query tokens first, at positions start[b], start[b] + 1, ...,
     their K/V already in the cache; kv [B, 2 * nkv, L, d]: a layer's cache (K heads, then V heads;
     positions contiguous) -> [B, Q, nh, d]: token i of row b attends to the row's first start[b] + i + 1
-    positions (causal); zeros where i >= count[b]. Only `supports`ed shapes."""
-    return run(q, kv, *checked_rows(start, count, q.shape[1], kv.shape[2]))
+    positions (causal), or, given token trees' `visible` [B, Q, Q], to the row's first start[b] positions
+    and to its tokens j < count[b] that visible[b, i, j] marks (their K/V in slots start[b] + j); zeros
+    where i >= count[b]. Only `supports`ed shapes."""
+    return run(q, kv, *checked_rows(start, count, q.shape[1], kv.shape[2], visible))

@@ -302,15 +302,17 @@ class TargetModel(nn.Module):
     def _attention_of(self, tokens: TokenLayout, start, end, kv_len: int, tree) -> Callable:
         """How this forward's layers attend: a function (queries [B, nh, q, d], a layer's cache
         [B, 2 * nkv, kv_len, d]) -> [B, nh, q, d]. The engine's decode and verify steps (rows of up to
-        MAX_QUERIES tokens) run the ragged decode kernel; without it, one-token rows whose lengths spread
-        attend a row at a time; else one SDPA call, masked unless a lone row attends to all it has."""
+        MAX_QUERIES tokens, chains or token trees) run the ragged decode kernel; without it, one-token
+        rows whose lengths spread attend a row at a time; else one SDPA call, masked unless a lone row
+        attends to all it has."""
         c = self.cfg
         nkv, B, q = c.num_key_value_heads, tokens.B, tokens.q
-        if B > 1 and tree is None and q <= decode_attention.MAX_QUERIES:
+        if B > 1 and q <= decode_attention.MAX_QUERIES and (tree is None or tree[1].ndim == 3):
             if decode_attention.supports(self.dtype, self.device, c.num_attention_heads, nkv, c.head_dim):
-                rows = decode_attention.checked_rows(start, end - start, q, kv_len)  # once, not per layer
+                rows = decode_attention.checked_rows(start, end - start, q, kv_len,  # once, not per layer
+                                                     None if tree is None else tree[1])
                 return lambda qs, kv: decode_attention.run(qs.transpose(1, 2), kv, *rows).transpose(1, 2)
-            if q == 1 and (row_lengths := one_token_row_lengths(start, end)):
+            if tree is None and q == 1 and (row_lengths := one_token_row_lengths(start, end)):
                 return lambda qs, kv: attention_per_row(qs, kv[:, :nkv], kv[:, nkv:], row_lengths)
         mask = None if q == 1 and B == 1 else tokens.mask(kv_len, None if tree is None else tree[1])
         return lambda qs, kv: attention(qs, kv[:, :nkv], kv[:, nkv:], mask)
