@@ -237,16 +237,18 @@ def test_auto_picks_the_bundled_drafter_of_the_target_else_prompt_lookup(tiny, t
     save_drafter(make_random_dspark(qwen3, "vanilla", block_size=4).model, tmp_path / "bundled" / "q", target=qwen3)
     assert registry.bundled_drafter(qwen3) == tmp_path / "bundled" / "q"
     assert registry.bundled_drafter(llama) is None
-    assert load_drafter("auto", qwen3).block_size == 4
+    assert load_drafter("auto", qwen3).drafter.block_size == 4  # with prompt-lookup branches
+    assert load_drafter("auto@full", qwen3).block_size == 4
     assert type(load_drafter("auto", llama)).__name__ == "PromptLookupDrafter"
     # auto@RULE: the bundled drafter with that rule; a bad rule fails before anything loads
     bundled = tmp_path / "bundled" / "q"
-    assert speculation.resolve_drafter_spec("auto", qwen3) == f"{bundled}@dspark"
+    assert speculation.resolve_drafter_spec("auto", qwen3) == f"{bundled}+lookup@tree"
+    assert speculation.resolve_drafter_spec("auto@dspark", qwen3) == f"{bundled}@dspark"
     assert speculation.resolve_drafter_spec("auto@full", qwen3) == f"{bundled}@full"
     assert speculation.resolve_drafter_spec("auto@threshold:0.4", qwen3) == f"{bundled}@threshold:0.4"
     assert speculation.resolve_drafter_spec("auto@full", llama) == "prompt-lookup"
-    # one request at a time, a bare auto grows trees with prompt-lookup branches; +lookup defaults to tree
-    assert speculation.resolve_drafter_spec("auto", qwen3, speculation.SINGLE_REQUEST_AUTO) == f"{bundled}+lookup@tree"
+    # a bare auto grows trees with prompt-lookup branches; +lookup defaults to tree
+    assert speculation.resolve_drafter_spec("auto", qwen3, "@full") == f"{bundled}@full"
     assert speculation.resolve_drafter_spec("auto+lookup", qwen3) == f"{bundled}+lookup@tree"
     assert speculation.resolve_drafter_spec("auto+lookup@tree:4", qwen3) == f"{bundled}+lookup@tree:4"
     assert type(load_drafter(f"{bundled}+lookup@tree", qwen3)).__name__ == "LookupBranchDrafter"

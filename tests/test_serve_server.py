@@ -39,18 +39,18 @@ def test_streamed_text_never_passes_a_stop_string():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["dspark", "tree"])
+@pytest.mark.parametrize("policy", ["dspark", "default"])
 def test_concurrent_streams_match_offline_greedy_on_smollm2(smollm2_fp32, policy):
     """8 concurrent streaming chat requests at T = 0, through the shipped drafter and the dspark policy
-    (chains) or the tree policy (every row's token tree in one ragged forward): each text is exactly
-    what plain greedy decoding gives offline."""
+    (chains) or the default (auto+lookup@tree: every row's token tree with its prompt-lookup branch, in
+    one ragged forward): each text is exactly what plain greedy decoding gives offline."""
     from dspark.decode.generate import Decoder
 
     prompts = eval_prompts("mt-bench", 3) + eval_prompts("gsm8k", 3) + eval_prompts("mbpp", 2)
     ar = Decoder(smollm2_fp32)
     want = [ar.generate(smollm2_fp32.encode_prompt(p), 48).text for p in prompts]
-    server = Server("--dtype", "float32", "--max-batch", "8", "--max-model-len", "1024", "--policy", policy,
-                    name="smollm2")
+    server = Server("--dtype", "float32", "--max-batch", "8", "--max-model-len", "1024",
+                    *(["--policy", policy] if policy != "default" else []), name="smollm2")
     try:
         client = server.client()
 

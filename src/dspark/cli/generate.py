@@ -65,7 +65,7 @@ def _prompt_ids(text: str) -> list[int]:
 
 def cmd_generate(args) -> int:
     from dspark.decode.generate import Decoder
-    from dspark.decode.speculation import SINGLE_REQUEST_AUTO, check_drafter_spec, load_speculation, with_policy
+    from dspark.decode.speculation import AUTO, check_drafter_spec, load_speculation, with_policy
     from dspark.decode.streaming import TextStreamer
     from dspark.model.loading import parse_dtype
     from dspark.sampling import SamplingParams
@@ -85,7 +85,7 @@ def cmd_generate(args) -> int:
                           f"{'--stop needs one' if prompt_ids is not None else 'pass the prompt as token ids with --prompt-ids'}")
     drafter_spec, drafter, policy = load_speculation(
         spec, target, args.num_draft_tokens, args.confidence_threshold,
-        auto="@full" if args.confidence_threshold is not None else SINGLE_REQUEST_AUTO)
+        auto="@full" if args.confidence_threshold is not None else AUTO)
     if prompt_ids is None:
         prompt_ids = target.encode_prompt(args.prompt, chat=not args.raw)
     else:

@@ -27,12 +27,13 @@ def add_parsers(sub) -> None:
     )
     target_args(s, threads=True)
     s.add_argument("--drafter", default="auto",
-                   help="auto | none | prompt-lookup | PATH to a drafter checkpoint, each optionally @POLICY (the "
-                   "same as --policy POLICY); default auto: the DSpark drafter dspark ships for the target, else "
-                   "prompt-lookup")
+                   help="auto | none | prompt-lookup | PATH to a drafter checkpoint (auto and PATH optionally "
+                   "+lookup: prompt-lookup branches in its token trees), each optionally @POLICY (the same as "
+                   "--policy POLICY); default auto: the DSpark drafter dspark ships for the target with prompt-lookup "
+                   "branches under the tree policy (auto+lookup@tree, as in `dspark generate`), else prompt-lookup")
     s.add_argument("--policy", default=None, metavar="POLICY",
-                   help=f"verification policy: {POLICIES} (default dspark: Algorithm 1 on the target's profiled "
-                   "SPS curve, measured once per machine and cached)")
+                   help=f"verification policy: {POLICIES} (auto's default tree, a PATH's dspark: both read the "
+                   "target's SPS curve, measured once per machine and cached)")
     s.add_argument("--max-batch", type=positive_int, default=8, help="requests decoded together (default 8)")
     s.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context window per request, prompt + completion (default: the model's, at most 4096); "
@@ -164,8 +165,8 @@ def cmd_serve(args) -> int:
     from dspark.serve.service import EngineService
 
     # validate everything cheap before loading the model
-    drafter, policy = split_spec(with_policy(args.drafter, args.policy), default="dspark")
-    check_drafter_spec(drafter)
+    requested = with_policy(args.drafter, args.policy)
+    check_drafter_spec(split_spec(requested, default="dspark")[0])
     parse_dtype(args.dtype)
     for flag in ("shutdown_timeout", "read_timeout", "keep_alive_timeout"):
         if not getattr(args, flag) >= 0:
@@ -176,7 +177,7 @@ def cmd_serve(args) -> int:
 
     bound_kernel_caches()
     target = open_target(args)
-    spec = split_spec(resolve_drafter_spec(drafter, target))[0]
+    spec, policy = split_spec(resolve_drafter_spec(requested, target), default="dspark")
     if args.max_model_len and args.max_model_len > target.model.max_positions:
         raise DsparkError(f"--max-model-len {args.max_model_len} exceeds the model's {target.model.max_positions} "
                           "positions")

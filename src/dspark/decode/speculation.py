@@ -4,9 +4,9 @@ One grammar: `DRAFTER[@POLICY]`, DRAFTER = auto | none | prompt-lookup | PATH to
 auto and PATH optionally `+lookup` (prompt-lookup branches in their trees: tree policies only, `tree` by
 default), POLICY = ar | full | fixed:K | threshold:C | tree | tree:N | dspark | dspark-async
 (`schedule/policies.py`); `--policy POLICY` says the same apart. `auto` is the drafter dspark ships for
-the target (else prompt lookup): alone, with prompt-lookup branches under the `tree` policy in
-`generate` / `eval` and with `dspark` in `serve`; `auto@POLICY` is it with POLICY. A path alone verifies
-every draft (`full`) in `generate` / `eval`, and `serve` defaults to `dspark`.
+the target (else prompt lookup): alone, with prompt-lookup branches under the `tree` policy, in every
+command (`AUTO`); `auto@POLICY` is it with POLICY. A path alone verifies every draft (`full`) in
+`generate` / `eval`, and `serve` defaults to `dspark`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ DRAFTER_CHOICES = ("auto | none | prompt-lookup | PATH to a drafter checkpoint d
                    "+lookup), each optionally @POLICY")
 ENGINE_PROMPT_LOOKUP_DRAFTS = 8  # drafts per row of the batched engine's prompt-lookup drafter
 TREE_MAX_TOKENS = 33  # the SPS curve `tree` reads: trees of up to 32 drafts
-# what `auto` is one request at a time (generate, eval): the hardware's tree with prompt-lookup branches
-SINGLE_REQUEST_AUTO = SUFFIX + "@tree"
+# what `auto` adds to the bundled drafter: the hardware's tree with prompt-lookup branches, one request at a
+# time (generate, eval) and in the engine (serve), where its trees shrink to chains and to nothing as the
+# batch grows (benchmarks/results/README.md, "lookup branches in the engine")
+AUTO = SUFFIX + "@tree"
 EngineFactory = Callable[[Policy, int], Engine]  # (policy, max_batch) -> Engine
 
 
@@ -86,9 +88,9 @@ def check_drafter_spec(spec: str | None) -> None:
         raise DsparkError(f"drafter {spec!r} is neither a known drafter ({DRAFTER_CHOICES}) nor an existing path")
 
 
-def resolve_drafter_spec(spec: str | None, target: Target, auto: str = "@dspark") -> str | None:
-    """`auto` becomes the bundled drafter of `target` + `auto` (default: the hardware-aware chain rule,
-    `PATH@dspark`; one request at a time `SINGLE_REQUEST_AUTO`), `auto@POLICY` `PATH@POLICY`,
+def resolve_drafter_spec(spec: str | None, target: Target, auto: str = AUTO) -> str | None:
+    """`auto` becomes the bundled drafter of `target` + `auto` (default `AUTO`: `PATH+lookup@tree`),
+    `auto@POLICY` `PATH@POLICY`,
     `auto+lookup[@POLICY]` `PATH+lookup@POLICY` (tree when not given); prompt-lookup when dspark ships none."""
     if spec is None or Path(spec).exists():
         return spec
@@ -125,7 +127,7 @@ def load_drafter(spec: str | None, target: Target, num_draft_tokens: int | None 
 
 
 def load_speculation(spec: str | None, target: Target, num_draft_tokens: int | None = None,
-                     confidence_threshold: float | None = None, auto: str = SINGLE_REQUEST_AUTO):
+                     confidence_threshold: float | None = None, auto: str = AUTO):
     """(resolved spec, drafter or None, policy) for one request at a time (`generate`, `eval`);
     a bare `auto` is the bundled drafter + `auto`."""
     spec = resolve_drafter_spec(spec, target, auto)

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from dspark.decode.generate import Decoder
 from dspark.decode.speculation import (
-    SINGLE_REQUEST_AUTO,
+    AUTO,
     drafter_digest,
     load_speculation,
     resolve_drafter_spec,
@@ -97,7 +97,7 @@ def evaluate(
     report decode speed only. With `journal_path`, finished generations are kept there and a rerun
     with the same settings continues where the last one stopped."""
     prompt_sets = {Path(d).stem: load_eval_prompts(d)[:limit] for d in datasets}
-    drafter_specs = [resolve_drafter_spec(s, target, SINGLE_REQUEST_AUTO) for s in drafter_specs]
+    drafter_specs = [resolve_drafter_spec(s, target, AUTO) for s in drafter_specs]
     engines, drafters = _engines(target, drafter_specs, confidence_threshold, peers or [])
     settings = {"target": str(target.path), "dtype": dtype_key(target.model), "max_new_tokens": max_new_tokens,
                 "temperatures": temperatures, "seed": seed, "confidence_threshold": confidence_threshold,

@@ -31,7 +31,7 @@ def bench_serve(target: Target, drafter_spec, policies: list[str], levels: list[
     (each at least 2 x concurrency requests); policies take turns chunk by chunk in rotated order,
     so that machine drift hits all alike. With `journal_path`, finished chunks are kept there and a
     rerun with the same settings measures only the missing ones."""
-    drafter_spec = resolve_drafter_spec(drafter_spec, target)
+    drafter_spec = resolve_drafter_spec(drafter_spec, target, auto="")  # the policies are given apart
     encoded = [target.encode_prompt(p) for p in prompts]
     make, label, _ = engine_factory(target, drafter_spec, max(map(len, encoded)) + max_new_tokens + 1)
     settings = {"target": str(target.path), "dtype": dtype_key(target.model), "drafter": drafter_digest(str(drafter_spec)),
