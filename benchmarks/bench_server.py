@@ -1,6 +1,7 @@
 """`dspark serve` under load, over loopback HTTP with the `openai` client (issue 22).
 
-One server per policy (default `dspark` and `ar`; same target, drafter, dtype and --max-batch),
+One server per policy (default `dspark` and `ar`, `default` for no --policy; same target, drafter, dtype
+and --max-batch),
 started side by side and idle while the other is measured. At each concurrency C, closed-loop
 clients keep C streaming chat requests in flight over the bundled evaluation prompts (greedy,
 --max-tokens each); a level's requests run in two chunks, the policies taking turns in rotated order
@@ -46,7 +47,8 @@ def start_server(policy: str, args) -> tuple[subprocess.Popen, int]:
     port = free_port()
     if policy == "vllm":
         return start_vllm(port, args), port
-    cmd = [sys.executable, "-m", "dspark.cli", "serve", "--port", str(port), "--policy", policy, "--dtype", args.dtype,
+    chosen = [] if policy == "default" else ["--policy", policy]  # default: what `dspark serve` does unasked
+    cmd = [sys.executable, "-m", "dspark.cli", "serve", "--port", str(port), *chosen, "--dtype", args.dtype,
            "--max-batch", str(args.max_batch), "--max-model-len", str(args.max_model_len), "--log-level", "warning",
            "--threads", str(args.threads)]
     return wait_healthy(subprocess.Popen(cmd, stderr=sys.stderr), port, policy), port
@@ -183,6 +185,9 @@ def main():
     ap.add_argument("--datasets", default=None, help="comma-separated bundled sets (default: all five)")
     ap.add_argument("--requests", type=int, default=64, help="requests per level and policy at most (default 64)")
     ap.add_argument("--min-requests", type=int, default=8, help="requests per level and policy at least (default 8)")
+    ap.add_argument("--waves", type=int, default=2,
+                    help="requests per level and policy: this many times C (within the bounds above; default 2). A "
+                    "chunk ends with its slowest requests, which speculation does not hurry: more waves, less tail")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=1024)
@@ -227,7 +232,7 @@ def main():
             asyncio.run(closed_loop(port, prompts[:2], 2, 16, args.timeout))
         offset = 0
         for c in levels:
-            n = min(args.requests, max(args.min_requests, 2 * c))
+            n = min(args.requests, max(args.min_requests, args.waves * c))
             level_prompts = [prompts[(offset + i) % len(prompts)] for i in range(n)]
             offset += n
             chunks = [level_prompts[: n // 2], level_prompts[n // 2:]]
