@@ -151,6 +151,35 @@ def test_draft_gate_skips_drafting_that_does_not_pay_and_probes_again():
         DraftGate(sps, probe_every=8, max_probe_every=4)
 
 
+def test_draft_gate_trusts_timed_steps_over_the_cost_model():
+    """Where the engine times its steps, drafting must beat a timed plain step at the same size: the
+    model (SPS 20 / s flat, a 25 ms draft pass) says 2 tokens per 75 ms beat 1 per 50 ms, but plain
+    steps of these 4 rows take 30 ms."""
+    sps = SPSTable((20.0,) * 9)
+    gate = DraftGate(sps, draft_seconds=lambda requests: 0.025, probe_every=4, max_probe_every=8)
+    gate.record(4, True, verified=12, committed=8, draft_s=0.025, step_s=2.0)  # a first step: not timed
+    assert gate.should_draft(4)  # the model drafts (nothing timed yet)
+    gate.record(4, True, verified=12, committed=8, draft_s=0.025, step_s=0.075)
+    assert not gate.should_draft(4)  # the model would draft; first plain steps at this size, timed
+    gate.record(4, False, 4, 4, 0.0, step_s=0.5)  # (the first: not timed)
+    assert not gate.should_draft(4)
+    gate.record(4, False, 4, 4, 0.0, step_s=0.030)
+    assert not gate.should_draft(4) and gate.should_draft(3)  # 2 / 75 ms < 1 / 30 ms; R = 3 unknown
+    for _ in range(2):
+        gate.record(4, False, 4, 4, 0.0, step_s=0.030)
+    assert gate.should_draft(4)  # the probe after probe_every skipped steps
+    # slower plain steps (50 ms): now drafting wins, every step, but one in max_probe_every is timed plain
+    kinds = []
+    for _ in range(40):
+        drafted = gate.should_draft(4)
+        kinds.append(drafted)
+        gate.record(4, drafted, 12, 8, 0.025, step_s=0.075 if drafted else 0.050)
+    assert kinds[-18:] == ([True] * 8 + [False]) * 2
+    untimed = DraftGate(sps, draft_seconds=lambda requests: 0.025)  # the simulator's steps: the model alone
+    untimed.record(4, True, 12, 8, 0.025)
+    assert untimed.should_draft(4)
+
+
 def _probe_gaps(gate: DraftGate, committed: int, steps: int) -> list[int]:
     """Skipped steps between drafting steps over `steps` steps, each drafting step committing `committed`."""
     gaps, run = [], 0

@@ -113,7 +113,8 @@ class DecodeStep:
         drafted = self.drafter is not None and self.policy.should_draft(len(rows))  # from past steps only
         if drafted and self.policy.tree_nodes and len(rows) <= self.drafter.tree_rows:
             return self._tree_step(cache, rows)
-        blocks, draft_s = self._draft(rows) if drafted else ([None] * len(rows), 0.0)
+        t_begin = time.perf_counter()
+        blocks, draft_s, owed_s = self._draft(rows) if drafted else ([None] * len(rows), 0.0, 0.0)
         drafts = [b.tokens[: r.budget] if b else [] for b, r in zip(blocks, rows)]
         lengths = self._schedule(blocks, drafts)
         t0 = time.perf_counter()
@@ -130,9 +131,11 @@ class DecodeStep:
             if blk is not None and conf is None:
                 self.estimate.update(ell, a)
             results.append(RowResult(Round(ell, a, None if conf is None else conf[:ell].tolist()), d[:a] + [t]))
-        self.policy.record_step(len(rows), drafted, computed, sum(len(x.tokens) for x in results), draft_s)
-        self.draft_s += draft_s
-        self.verify_s += time.perf_counter() - t0
+        t_end = time.perf_counter()
+        self.policy.record_step(len(rows), drafted, computed, sum(len(x.tokens) for x in results), draft_s,
+                                t_end - t_begin - owed_s)
+        self.draft_s += draft_s + owed_s
+        self.verify_s += t_end - t0
         return results
 
     def _tree_step(self, cache, rows: list[Row]) -> list[RowResult]:
@@ -160,10 +163,11 @@ class DecodeStep:
             tokens = [tree.tokens[n] for n in path]
             self.drafter.observe(r.index, [r.anchor] + tokens, taps[i, [0] + kept] if self.taps else None)
             results.append(RowResult(Round(max(tree.depths(), default=0), len(path), nodes=len(tree)), tokens + [nxt]))
+        t_end = time.perf_counter()
         self.policy.record_step(len(rows), True, sum(1 + len(t) for t in trees),
-                                sum(len(x.tokens) for x in results), t2 - t1)
+                                sum(len(x.tokens) for x in results), t2 - t1, t_end - t1)
         self.draft_s += t2 - t0
-        self.verify_s += time.perf_counter() - t2
+        self.verify_s += t_end - t2
         return results
 
     def _forward_trees(self, cache, rows: list[Row], trees: list[DraftTree]):
@@ -187,18 +191,16 @@ class DecodeStep:
             return verify_tree_greedy(tree.children(), tree.tokens, argmax_rows(logits))
         return verify_tree_sampled(tree, probs_from_logits(logits, row.params), row.generator)
 
-    def _draft(self, rows: list[Row]) -> tuple[list[DraftBlock | None], float]:
-        """The rows' draft blocks and the seconds of the proposal alone: the policy weighs a step's
-        drafting by that; catching up on earlier tokens (after a prefill or skipped steps) is owed
-        to them, and counting it made the gate of a server think drafting never pays."""
+    def _draft(self, rows: list[Row]) -> tuple[list[DraftBlock | None], float, float]:
+        """(the rows' draft blocks, seconds of the proposal, seconds of catching up): the policy weighs a
+        step's drafting by the proposal alone; catching up on earlier tokens (after a prefill or skipped
+        steps) is owed to them, and counting it made the gate of a server think drafting never pays."""
         t0 = time.perf_counter()
         self.drafter.catch_up([r.index for r in rows if r.budget > 0])
         t1 = time.perf_counter()
         blocks = self.drafter.propose([r.index for r in rows], [r.anchor for r in rows], [r.budget for r in rows],
                                       [r.params for r in rows], [r.generator for r in rows])
-        t2 = time.perf_counter()
-        self.draft_s += t1 - t0
-        return blocks, t2 - t1
+        return blocks, time.perf_counter() - t1, t1 - t0
 
     def _schedule(self, blocks: list[DraftBlock | None], drafts: list[list[int]]) -> list[int]:
         drafted = [len(d) for d in drafts]

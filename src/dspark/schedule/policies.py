@@ -104,12 +104,19 @@ class DraftGate:
     """Whether a step drafts at all. The drafter pass is paid before any verification length is
     chosen, so this is decided from past steps only (never from this step's drafts: lossless).
 
-    Drafting pays when R·τ̄ / (t_draft + 1 / SPS(R·v̄)) ≥ R·SPS(R): τ̄ and v̄ are running means of
-    tokens committed and positions computed per request over earlier drafting steps at R requests, t_draft
-    the draft-pass seconds (given by `draft_seconds(R)`, else the running mean of measured ones).
-    After `probe_every` skipped steps it drafts once to refresh the estimates; each probe that finds
-    drafting still does not pay doubles that wait (up to `max_probe_every`), so a drafter that never
-    pays costs ever fewer probes, and a step that pays restores it."""
+    Drafting pays when a drafting step commits more tokens per second than a plain one at the same
+    number of requests R. Where both kinds of step have been timed at R (the engine passes each step's
+    seconds), that is τ̄ / t_drafting ≥ 1 / t_plain with running means of the timed steps: the verify
+    cost of a batch of ragged rows is not the profiled curve's single-row forward of as many tokens (on
+    an AVX512-BF16 EPYC it rose ~3x faster with the tokens), so the timings decide. Until then, the model
+    R·τ̄ / (t_draft + 1 / SPS(R·v̄)) ≥ R·SPS(R): τ̄ and v̄ running means of tokens committed and positions
+    computed per request over drafting steps at R, t_draft the draft-pass seconds (`draft_seconds(R)`,
+    else the running mean of measured ones). Once a size has drafted, its next steps are plain until one
+    is timed (the first of each kind and size is not: it pays one-time costs), and one step in
+    `max_probe_every` drafting steps is too, to keep the comparison current. After
+    `probe_every` skipped steps it drafts once to refresh the estimates; each probe that finds drafting
+    still does not pay doubles that wait (up to `max_probe_every`), so a drafter that never pays costs
+    ever fewer probes, and a step that pays restores it."""
 
     def __init__(self, sps: SPSTable, draft_seconds: Callable[[int], float] | None = None,
                  probe_every: int = 16, max_probe_every: int = 256, weight: float = 0.2):
@@ -121,7 +128,10 @@ class DraftGate:
 
     def reset(self) -> None:
         self.stats: dict[int, list[float]] = {}  # R -> [τ̄, v̄, measured t_draft]
+        self.timed: dict[int, list[float | None]] = {}  # R -> running mean seconds of [a drafting, a plain] step
+        self.warmed: set[tuple[int, bool]] = set()  # (R, drafted) of the steps seen (their first is not timed)
         self.skipped = 0
+        self.drafted_in_a_row = 0
         self.interval = self.probe_every  # skipped steps before the next probe
 
     def draft_cost(self, requests: int) -> float:
@@ -132,10 +142,18 @@ class DraftGate:
         return stats[2] if stats else 0.0
 
     def should_draft(self, requests: int) -> bool:
-        return requests not in self.stats or self.skipped >= self.interval or self._pays(requests)
+        if requests not in self.stats:
+            return True
+        timed = self.timed.get(requests)
+        if timed is not None and (timed[1] is None or self.drafted_in_a_row >= self.max_probe_every):
+            return False  # time a plain step at this size: what drafting must beat
+        return self.skipped >= self.interval or self._pays(requests)
 
     def _pays(self, requests: int) -> bool:
         tau, verify, _ = self.stats[requests]
+        timed = self.timed.get(requests)
+        if timed is not None and None not in timed:  # both kinds of step timed at this size
+            return tau / timed[0] >= 1.0 / timed[1]
         tokens = min(self.sps.max_tokens, max(requests, round(requests * verify)))
         return tau / (self.draft_cost(requests) + 1.0 / self.sps(tokens)) >= self.sps(requests)
 
@@ -144,14 +162,23 @@ class DraftGate:
         t = self.draft_cost(requests)
         return lambda tokens: 1.0 / (t + 1.0 / self.sps(tokens)) if self.sps(tokens) > 0 else 0.0
 
-    def record(self, requests: int, drafted: bool, verified: int, committed: int, draft_s: float) -> None:
+    def record(self, requests: int, drafted: bool, verified: int, committed: int, draft_s: float,
+               step_s: float | None = None) -> None:
         """One finished step: positions the verify forward computed (B) and tokens committed over its
-        `requests` requests."""
+        `requests` requests; `step_s` its seconds (draft pass, verify forward, verification), if timed."""
+        if step_s is not None and (requests, drafted) not in self.warmed:
+            self.warmed.add((requests, drafted))  # a first step of its kind and size pays one-time costs
+        elif step_s is not None:  # (oneDNN primitives for new shapes: ~2 s once, measured on an EPYC)
+            timed = self.timed.setdefault(requests, [None, None])
+            old = timed[not drafted]
+            timed[not drafted] = step_s if old is None else old + self.weight * (step_s - old)
         if not drafted:
             self.skipped += 1
+            self.drafted_in_a_row = 0
             return
         probed = self.skipped >= self.interval
         self.skipped = 0
+        self.drafted_in_a_row += 1
         new = [committed / requests, verified / requests, draft_s]
         old = self.stats.get(requests)
         self.stats[requests] = new if old is None else [o + self.weight * (n - o) for o, n in zip(old, new)]
@@ -184,9 +211,10 @@ class Policy:
         if self.gate is not None:
             self.gate.reset()
 
-    def record_step(self, requests: int, drafted: bool, verified: int, committed: int, draft_s: float) -> None:
+    def record_step(self, requests: int, drafted: bool, verified: int, committed: int, draft_s: float,
+                    step_s: float | None = None) -> None:
         if self.gate is not None:
-            self.gate.record(requests, drafted, verified, committed, draft_s)
+            self.gate.record(requests, drafted, verified, committed, draft_s, step_s)
 
     def lengths(self, survivals: Sequence[Sequence[float]], drafted: Sequence[int]) -> list[int]:
         raise NotImplementedError
