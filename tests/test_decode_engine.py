@@ -34,16 +34,21 @@ def _shared_model_drafters(drafter: DSparkDrafter):
     return lambda: DSparkDrafter(drafter.model, drafter.target)
 
 
+def _requests_and_greedy(target, seed: int, vocab: int):
+    """10 random prompts over token ids 3..vocab-1, their budgets, and plain greedy decoding's replies."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (int(n),), generator=gen).tolist() for n in torch.randint(2, 30, (10,), generator=gen)]
+    budgets = [int(n) for n in torch.randint(1, 40, (10,), generator=gen)]
+    ar = Decoder(target)
+    return prompts, budgets, [ar.generate(p, n).token_ids for p, n in zip(prompts, budgets)]
+
+
 @pytest.mark.parametrize("batched", [True, False], ids=["batched-drafter", "per-request-drafters"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_batched_greedy_equals_plain_greedy_for_every_policy(tiny_targets, policy, batched):
     target = load_target(tiny_targets[1][1], dtype=torch.float32, require_tokenizer=False)
     drafter = make_random_dspark(target, "vanilla", block_size=5, std=0.3)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 128, (int(n),), generator=gen).tolist() for n in torch.randint(2, 30, (10,), generator=gen)]
-    budgets = [int(n) for n in torch.randint(1, 40, (10,), generator=gen)]
-    ar = Decoder(target)
-    want = [ar.generate(p, n).token_ids for p, n in zip(prompts, budgets)]
+    prompts, budgets, want = _requests_and_greedy(target, seed=3, vocab=128)
     if batched:
         engine = Engine(target, policy=parse_policy(policy, SPS), max_batch=4, draft_model=drafter.model)
     else:
@@ -66,11 +71,7 @@ def test_lookup_branches_keep_batched_greedy_exact(tiny_targets, policy, batched
 
     target = load_target(tiny_targets[1][1], dtype=torch.float32, require_tokenizer=False)
     drafter = make_random_dspark(target, "vanilla", block_size=5, std=0.3)
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 40, (int(n),), generator=gen).tolist() for n in torch.randint(2, 30, (10,), generator=gen)]
-    budgets = [int(n) for n in torch.randint(1, 40, (10,), generator=gen)]
-    ar = Decoder(target)
-    want = [ar.generate(p, n).token_ids for p, n in zip(prompts, budgets)]
+    prompts, budgets, want = _requests_and_greedy(target, seed=5, vocab=40)
     branches, kernel_trees = [], []
     find, attend = hybrid.lookup_branch, decode_attention.run
     monkeypatch.setattr(hybrid, "lookup_branch", lambda *a: branches.append(find(*a)) or branches[-1])
