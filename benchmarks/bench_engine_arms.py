@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from dspark.decode.engine import Request
-from dspark.decode.speculation import TREE_MAX_TOKENS, engine_factory, resolve_drafter_spec, split_spec
+from dspark.decode.speculation import engine_curve_tokens, engine_factory, resolve_drafter_spec, split_spec
 from dspark.eval.prompts import load_eval_prompts
 from dspark.model.loading import load_target
 from dspark.sampling import SamplingParams
@@ -35,9 +35,8 @@ from dspark.util.platform import cpu_flags
 def make_engine(target, arm: str, rows: int):
     spec, policy = (None, "ar") if arm == "ar" else split_spec(resolve_drafter_spec(arm, target))
     make, _, drafts = engine_factory(target, spec, 1024)
-    sps = None
-    if policy in ("dspark", "dspark-async", "tree"):  # as `dspark serve` reads the curve
-        sps = load_or_measure(target, max_tokens=min(256, max(rows * (drafts + 1), TREE_MAX_TOKENS)))[0]
+    tokens = engine_curve_tokens(policy, rows, drafts)  # as `dspark serve` reads the curve
+    sps = load_or_measure(target, max_tokens=tokens)[0] if tokens is not None else None
     return make(parse_policy(policy, sps), rows)
 
 

@@ -149,8 +149,8 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from dspark.decode.speculation import (
-        TREE_MAX_TOKENS,
         check_drafter_spec,
+        engine_curve_tokens,
         engine_factory,
         resolve_drafter_spec,
         split_spec,
@@ -166,7 +166,7 @@ def cmd_serve(args) -> int:
 
     # validate everything cheap before loading the model
     requested = with_policy(args.drafter, args.policy)
-    check_drafter_spec(split_spec(requested, default="dspark")[0])
+    check_drafter_spec(requested)
     parse_dtype(args.dtype)
     for flag in ("shutdown_timeout", "read_timeout", "keep_alive_timeout"):
         if not getattr(args, flag) >= 0:
@@ -185,8 +185,8 @@ def cmd_serve(args) -> int:
     make_engine, drafter_label, max_drafts = engine_factory(target, spec, max_len)
     policy_name = policy if drafter_label != "none" else "ar"
     sps = None
-    if policy_name in ("dspark", "dspark-async", "tree"):  # the policies that read the cost curve
-        sps_tokens = min(256, max(args.max_batch * (max_drafts + 1), TREE_MAX_TOKENS if policy_name == "tree" else 0))
+    sps_tokens = engine_curve_tokens(policy_name, args.max_batch, max_drafts)
+    if sps_tokens is not None:
         if cached_sps(target, sps_tokens) is None:
             _profile_apart(args, sps_tokens, policy_name)
         sps, _, measured = load_or_measure(target, max_tokens=sps_tokens)

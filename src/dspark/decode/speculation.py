@@ -38,6 +38,14 @@ AUTO = SUFFIX + "@tree"
 EngineFactory = Callable[[Policy, int], Engine]  # (policy, max_batch) -> Engine
 
 
+def engine_curve_tokens(policy: str, rows: int, max_drafts: int) -> int | None:
+    """How far the SPS curve an engine of `rows` rows reads under `policy` must reach (every row verifying
+    all its drafts; a tree's 32 drafts), or None for the policies that do not read it."""
+    if policy not in ("dspark", "dspark-async", "tree"):
+        return None
+    return min(256, max(rows * (max_drafts + 1), TREE_MAX_TOKENS if policy == "tree" else 0))
+
+
 # ---- the grammar ------------------------------------------------------------------------------
 def check_policy(rule: str, where: str = "") -> tuple[str, str]:
     """A policy spelling's (name, argument); a clear error names the spellings there are."""
