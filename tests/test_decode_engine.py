@@ -3,6 +3,7 @@
 import json
 import math
 import statistics
+import time
 
 import pytest
 import torch
@@ -120,6 +121,35 @@ def test_steps_that_skip_drafting_keep_greedy_exact(tiny_targets, policy):
     done = engine.run([Request(p, 30) for p in prompts])
     assert [r.token_ids for r in done] == want
     assert gate.counts[True] > 0 and gate.counts[False] > gate.counts[True], gate.counts
+
+
+@pytest.mark.parametrize("policy", ["dspark", "tree:6"])
+def test_a_drafting_step_is_timed_with_the_catch_up_drafting_owes(tiny_targets, policy, monkeypatch):
+    """The gate weighs a drafting step with the catch-up that drafting at every step needs (the
+    tokens the last drafting step committed), never with the backlog of plain steps before it."""
+    from dspark.draft.batched import BatchedDSparkDrafter
+
+    target = load_target(tiny_targets[1][1], dtype=torch.float32, require_tokenizer=False)
+    drafter = make_random_dspark(target, "vanilla", block_size=5, std=0.3)
+    catch_up, owed = BatchedDSparkDrafter.catch_up, 0.2  # seconds a catch-up with queued taps takes here
+
+    def slow_catch_up(self, rows):
+        if any(self.pending[r] for r in rows):
+            time.sleep(owed)
+        catch_up(self, rows)
+
+    monkeypatch.setattr(BatchedDSparkDrafter, "catch_up", slow_catch_up)
+    chosen = parse_policy(policy, SPS)
+    pattern = iter([True, True, False, False] * 20)  # drafting after drafting, then after plain steps
+    monkeypatch.setattr(chosen, "should_draft", lambda requests: next(pattern))
+    timed = []
+    monkeypatch.setattr(chosen, "record_step", lambda r, drafted, v, c, d, step_s=None: timed.append((drafted, step_s)))
+    engine = Engine(target, policy=chosen, max_batch=4, draft_model=drafter.model)
+    engine.run([Request(list(range(3, 3 + n)), 30) for n in (5, 9, 14, 20)])
+    after = [(prev[0], cur[1]) for prev, cur in zip(timed, timed[1:]) if cur[0]]
+    assert {p for p, _ in after} == {True, False}
+    assert all(s >= owed for p, s in after if p), after
+    assert all(s < owed for p, s in after if not p), after
 
 
 def test_batched_greedy_on_smollm2_with_prompt_lookup(smollm2_fp32):

@@ -92,6 +92,7 @@ class DecodeStep:
         self.steps = 0
         self.draft_s = 0.0  # seconds spent in drafting passes
         self.verify_s = 0.0  # seconds spent in verify forwards, rejection sampling and commits
+        self.drafted_last = False  # whether the last step drafted: its catch-up is then drafting's own
 
     @torch.inference_mode()
     def start(self, cache, index: int, prompt_ids: list[int], params: SamplingParams,
@@ -133,7 +134,8 @@ class DecodeStep:
             results.append(RowResult(Round(ell, a, None if conf is None else conf[:ell].tolist()), d[:a] + [t]))
         t_end = time.perf_counter()
         self.policy.record_step(len(rows), drafted, computed, sum(len(x.tokens) for x in results), draft_s,
-                                t_end - t_begin - owed_s)
+                                t_end - t_begin - self._owed_elsewhere(owed_s))
+        self.drafted_last = drafted
         self.draft_s += draft_s + owed_s
         self.verify_s += t_end - t0
         return results
@@ -165,7 +167,8 @@ class DecodeStep:
             results.append(RowResult(Round(max(tree.depths(), default=0), len(path), nodes=len(tree)), tokens + [nxt]))
         t_end = time.perf_counter()
         self.policy.record_step(len(rows), True, sum(1 + len(t) for t in trees),
-                                sum(len(x.tokens) for x in results), t2 - t1, t_end - t1)
+                                sum(len(x.tokens) for x in results), t2 - t1, t_end - t0 - self._owed_elsewhere(t1 - t0))
+        self.drafted_last = True
         self.draft_s += t2 - t0
         self.verify_s += t_end - t2
         return results
@@ -191,10 +194,15 @@ class DecodeStep:
             return verify_tree_greedy(tree.children(), tree.tokens, argmax_rows(logits))
         return verify_tree_sampled(tree, probs_from_logits(logits, row.params), row.generator)
 
+    def _owed_elsewhere(self, catch_up_s: float) -> float:
+        """The part of a step's catch-up its timing leaves out. After a drafting step, catching up on
+        what it committed (and on prompts that joined) is what drafting at every step costs, and the
+        step pays it. After plain steps it is their backlog, owed to them: counting it made the gate of a
+        server think drafting never pays, and drafting less only grows the backlog."""
+        return 0.0 if self.drafted_last else catch_up_s
+
     def _draft(self, rows: list[Row]) -> tuple[list[DraftBlock | None], float, float]:
-        """(the rows' draft blocks, seconds of the proposal, seconds of catching up): the policy weighs a
-        step's drafting by the proposal alone; catching up on earlier tokens (after a prefill or skipped
-        steps) is owed to them, and counting it made the gate of a server think drafting never pays."""
+        """(the rows' draft blocks, seconds of the proposal, seconds of catching up on earlier tokens)."""
         t0 = time.perf_counter()
         self.drafter.catch_up([r.index for r in rows if r.budget > 0])
         t1 = time.perf_counter()
