@@ -1,5 +1,6 @@
 """Batched engine: every policy is lossless, whatever shares the batch."""
 
+import itertools
 import json
 import math
 import statistics
@@ -146,7 +147,7 @@ def test_a_drafting_step_is_timed_with_the_catch_up_drafting_owes(tiny_targets, 
     monkeypatch.setattr(chosen, "record_step", lambda r, drafted, v, c, d, step_s=None: timed.append((drafted, step_s)))
     engine = Engine(target, policy=chosen, max_batch=4, draft_model=drafter.model)
     engine.run([Request(list(range(3, 3 + n)), 30) for n in (5, 9, 14, 20)])
-    after = [(prev[0], cur[1]) for prev, cur in zip(timed, timed[1:]) if cur[0]]
+    after = [(prev[0], cur[1]) for prev, cur in itertools.pairwise(timed) if cur[0]]
     assert {p for p, _ in after} == {True, False}
     assert all(s >= owed for p, s in after if p), after
     assert all(s < owed for p, s in after if not p), after
