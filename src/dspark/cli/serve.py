@@ -8,7 +8,7 @@ import signal
 import socket
 import sys
 
-from dspark.cli.common import POLICIES, open_target, positive_int, target_args
+from dspark.cli.common import POLICIES, non_negative_int, open_target, positive_int, target_args
 from dspark.errors import DsparkError
 
 BYTES_PER_TOKEN = 256  # --max-request-bytes default per token of the window: text at ~4 bytes a token, escaped
@@ -40,6 +40,11 @@ def add_parsers(sub) -> None:
                    "the KV cache for --max-batch such windows is allocated at start")
     s.add_argument("--max-waiting", type=positive_int, default=64,
                    help="requests that may wait for a free row; beyond it the server answers 429 (default 64)")
+    s.add_argument("--prefix-cache-mib", type=non_negative_int, default=256, metavar="MIB",
+                   help="memory for the K/V of prompt prefixes already prefilled, in blocks of 16 tokens: a prompt "
+                   "that begins as an earlier one did (a shared system prompt, a conversation's earlier turns) "
+                   "prefills only the rest, with the same output; least recently used blocks go first "
+                   "(default 256; 0 turns it off; vLLM's automatic prefix caching)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     s.add_argument("--served-model-name", default=None,
@@ -182,7 +187,7 @@ def cmd_serve(args) -> int:
         raise DsparkError(f"--max-model-len {args.max_model_len} exceeds the model's {target.model.max_positions} "
                           "positions")
     max_len = min(args.max_model_len or 4096, target.model.max_positions)
-    make_engine, drafter_label, max_drafts = engine_factory(target, spec, max_len)
+    make_engine, drafter_label, max_drafts = engine_factory(target, spec, max_len, args.prefix_cache_mib << 20)
     policy_name = policy if drafter_label != "none" else "ar"
     sps = None
     sps_tokens = engine_curve_tokens(policy_name, args.max_batch, max_drafts)

@@ -44,6 +44,7 @@ class Request:
     finish_reason: str | None = None
     error: Exception | None = None  # what failed it (finish reason "error")
     rounds: list[Round] = dataclasses.field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     submitted_at: float = 0.0
     first_token_at: float = 0.0
     finished_at: float = 0.0
@@ -67,7 +68,8 @@ class Engine:
     otherwise `make_drafter` builds one Drafter per request (e.g. prompt lookup, EAGLE-3); with
     neither, no speculation. `lookup_branches`: the drafter's token trees also take each row's
     prompt-lookup continuation (`DRAFTER+lookup`; tree policies). `policy` picks ℓ_r (default: plain AR).
-    Ragged rows' padding is never computed nor cached, so every slot may use the target's whole window."""
+    Ragged rows' padding is never computed nor cached, so every slot may use the target's whole window.
+    `prefix_cache_bytes` > 0: prompts reuse the K/V of prompt blocks prefilled before (decode/prefix_cache.py)."""
 
     def __init__(
         self,
@@ -79,6 +81,7 @@ class Engine:
         draft_model=None,
         temperatures: list[float] | None = None,
         lookup_branches: bool = False,
+        prefix_cache_bytes: int = 0,
     ):
         if max_batch < 1:
             raise DsparkError(f"max_batch must be >= 1, got {max_batch}")
@@ -106,7 +109,7 @@ class Engine:
                 raise DsparkError(f"`{SUFFIX}` adds prompt-lookup branches to token trees: verify them with the tree "
                                   f"policy (@tree or @tree:N), not {self.policy.name}")
             drafter = BatchLookupBranches(drafter)
-        self.decode_step = DecodeStep(self.model, drafter, self.policy)
+        self.decode_step = DecodeStep(self.model, drafter, self.policy, prefix_cache_bytes)
         self._ids = itertools.count()
 
     @property
@@ -219,6 +222,7 @@ class Engine:
         decode = self.target.decode if self.target.tokenizer is not None else None
         slot = _Slot(r, row, StopChecker(self.target.eos_token_ids, r.max_new_tokens, r.stop, decode))
         self.slots[b] = slot
+        r.cached_tokens = row.cached
         r.first_token_at = time.perf_counter()
         self._emit(slot, [row.anchor])
 

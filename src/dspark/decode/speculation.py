@@ -174,13 +174,15 @@ def request_policy(rule: str, drafter: Drafter | None, target: Target,
     return policy
 
 
-def engine_factory(target: Target, drafter_spec: str | None,
-                   max_len: int | None = None) -> tuple[EngineFactory, str, int]:
+def engine_factory(target: Target, drafter_spec: str | None, max_len: int | None = None,
+                   prefix_cache_bytes: int = 0) -> tuple[EngineFactory, str, int]:
     """(make(policy, max_batch) -> Engine, drafter label, drafts per row at most) for a resolved
     --drafter value without its policy. `max_len` bounds each slot's context (the KV cache is
-    allocated for max_batch x max_len up front)."""
+    allocated for max_batch x max_len up front); `prefix_cache_bytes` > 0 gives the engines a prompt
+    prefix cache of that size."""
     def make(drafters=None, **kw) -> EngineFactory:
-        return lambda policy, c: Engine(target, drafters, policy, max_batch=c, max_len=max_len, **kw)
+        return lambda policy, c: Engine(target, drafters, policy, max_batch=c, max_len=max_len,
+                                        prefix_cache_bytes=prefix_cache_bytes, **kw)
 
     if drafter_spec in (None, "none"):
         return make(), "none", 0

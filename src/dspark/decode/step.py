@@ -10,7 +10,8 @@ admission around it; `dspark eval` and regeneration run on those two. `start` pr
      call, each row drawing from its own generator;
   4. commit: cache rows roll back to their committed lengths, the drafter observes the committed
      tokens, the policy records the step.
-A row's sample path depends on its own generator alone, never on which rows share its batch. A lone
+A row's sample path depends on its own generator alone, never on which rows share its batch. With a
+`PrefixCache`, `start` prefills only what the cache does not hold of a prompt. A lone
 request under a tree policy drafts, verifies and commits a token tree instead (`_tree_step`, DESIGN.md §7b).
 """
 
@@ -21,6 +22,7 @@ import time
 
 import torch
 
+from dspark.decode.prefix_cache import PrefixCache
 from dspark.decode.verify import verify_chains, verify_tree_greedy, verify_tree_sampled
 from dspark.draft.base import BatchDrafter, DraftBlock
 from dspark.draft.tree import DraftTree, TreeLimits
@@ -58,6 +60,7 @@ class Row:
     params: SamplingParams
     generator: torch.Generator
     budget: int = 0  # drafts it may verify this step (the next token always comes on top)
+    cached: int = 0  # prompt tokens its prefill took from the prefix cache
 
 
 @dataclasses.dataclass
@@ -84,10 +87,11 @@ def draft_budget(tokens_left: int, room: int) -> int:
 class DecodeStep:
     """The step for a target model, an optional drafter and a verification policy."""
 
-    def __init__(self, model, drafter: BatchDrafter | None, policy: Policy):
+    def __init__(self, model, drafter: BatchDrafter | None, policy: Policy, prefix_cache_bytes: int = 0):
         self.model, self.policy = model, policy
         self.drafter = drafter if policy.drafts else None  # plain AR: no drafter to run or feed
         self.taps = tuple(self.drafter.tap_layers) if self.drafter else ()
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, with_taps=bool(self.taps)) if prefix_cache_bytes else None
         self.estimate = AcceptanceEstimate(self.drafter.max_drafts if self.drafter else 1)
         self.steps = 0
         self.draft_s = 0.0  # seconds spent in drafting passes
@@ -97,17 +101,25 @@ class DecodeStep:
     @torch.inference_mode()
     def start(self, cache, index: int, prompt_ids: list[int], params: SamplingParams,
               generator: torch.Generator) -> Row:
-        """A request takes cache row `index`: run its prompt in, sample its first token (the row's
-        anchor) and hand the prompt's tapped features to the drafter."""
+        """A request takes cache row `index`: run its prompt in (what the prefix cache does not hold of
+        it), sample its first token (the row's anchor) and hand the prompt's tapped features to the drafter."""
         view = cache.row(index)
         view.lengths.zero_()
-        out = self.model(torch.tensor([prompt_ids]), view, taps=self.taps)
+        cached, cached_taps = 0, None
+        if self.prefix_cache is not None:
+            cached, cached_taps = self.prefix_cache.restore(prompt_ids, view)
+        out = self.model(torch.tensor([prompt_ids[cached:]]), view, taps=self.taps)
         cache.lengths[index] = int(view.lengths[0])
+        taps = out.taps[0] if self.taps else None
+        if cached_taps is not None:
+            taps = torch.cat([cached_taps, taps])
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(prompt_ids, view, taps, start=cached)
         probs = probs_from_logits(self.model.logits(out.hidden[0, -1:]), params)
         token = int(sample(probs, torch.rand(1, generator=generator))[0])
         if self.drafter is not None:
-            self.drafter.start(index, prompt_ids, out.taps[0] if self.taps else None)
-        return Row(index, token, params, generator)
+            self.drafter.start(index, prompt_ids, taps)
+        return Row(index, token, params, generator, cached=cached)
 
     @torch.inference_mode()
     def __call__(self, cache, rows: list[Row]) -> list[RowResult]:

@@ -35,7 +35,11 @@ class ServerMetrics:
             .labels(model_name)
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of the KV-cache positions in use (0..1).")\
             .labels(model_name)
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.").labels(model_name)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests that took a row.").labels(model_name)
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")\
+            .labels(model_name)
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
+                                         "prefilled again).").labels(model_name)
         self.generation_tokens = counter("generation_tokens", "Tokens generated (delivered to clients).")\
             .labels(model_name)
         self._success = counter("request_success", "Finished requests, by finish reason.", ["finished_reason"])

@@ -227,7 +227,8 @@ class _Reply:
 
     def usage(self) -> dict:
         n, m = len(self.request.prompt_ids), len(self.request.token_ids)
-        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m,
+                "prompt_tokens_details": {"cached_tokens": self.request.cached_tokens}}
 
     def spec_stats(self) -> dict:
         r = self.request

@@ -161,6 +161,8 @@ class EngineService:
         if job.queued:  # its first token: the prompt is in its row
             self._leave_queue(job)
             m.prompt_tokens.inc(len(r.prompt_ids))
+            m.prefix_cache_queries.inc(len(r.prompt_ids))
+            m.prefix_cache_hits.inc(r.cached_tokens)
             m.ttft.observe(now - job.arrived)
         else:
             for _ in ids:
