@@ -278,6 +278,7 @@ def test_serve_rejects_bad_arguments_before_loading(tmp_path):
     assert_clean_error(run_cli("serve", "--port", "70000"), "--port")
     assert_clean_error(run_cli("serve", "--drafter", "/no/such/drafter"), "drafter")
     assert_clean_error(run_cli("serve", "--policy", "fastest"), "policy")
+    assert_clean_error(run_cli("serve", "--prefix-cache-mib", "-1"), "--prefix-cache-mib")
     assert_clean_error(run_cli("serve", "--drafter", "/tmp@full", "--policy", "dspark"), "--policy")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
