@@ -36,7 +36,8 @@ class ServerMetrics:
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of the KV-cache positions in use (0..1).")\
             .labels(model_name)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests that took a row.").labels(model_name)
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")\
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens of the requests that took a "
+                                            "row, each looked up in the prefix cache where it is on.")\
             .labels(model_name)
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
                                          "prefilled again).").labels(model_name)
