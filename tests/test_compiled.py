@@ -9,6 +9,7 @@ from helpers import BranchOracle, make_random_dspark, make_tiny_hf_model
 
 from dspark.cli import main
 from dspark.decode.generate import Decoder
+from dspark.decode.speculation import request_policy
 from dspark.draft.dspark import DSparkDrafter
 from dspark.draft.tree import DraftTree
 from dspark.errors import DsparkError
@@ -157,3 +158,22 @@ def test_compile_refuses_what_the_step_does_not_cover(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
     qwen3 = make_tiny_hf_model("qwen3", tmp_path / "qwen3", tie=True)
     assert main(["compile", "--model", str(qwen3)]) == 1  # a one-line error, no traceback
+
+
+def test_int8_verifies_no_more_tokens_a_forward_than_its_compiled_rows(compiled_dir):
+    """Past the compiled runner's rows a forward runs the eager bf16 model: the int8 mode's hardware tree
+    stops at ROWS - 1 drafts whatever the cost curve says (on an EPYC the eager bf16 16-token forward was
+    cheaper than the int8 9-token one, and 32-node trees made greedy output differ from plain int8
+    decoding on 12 of 12 prompts), and fixed-size rules that cannot fit are refused."""
+    target = _load(compiled_dir, dtype="int8")
+    assert target.model.verify_limit == ROWS and _load(compiled_dir).model.verify_limit is None
+    drafter = make_random_dspark(target, "vanilla", block_size=ROWS - 1, std=0.3)
+    dspark = DSparkDrafter(drafter.model, target)
+    policy = request_policy("tree", dspark, target)
+    assert policy.tree_nodes <= ROWS - 1 and policy.sps.max_tokens == ROWS
+    with pytest.raises(DsparkError, match="int8 verifies at most"):
+        request_policy(f"tree:{ROWS}", dspark, target)
+    assert request_policy(f"fixed:{ROWS}", dspark, target).k == ROWS  # the drafter has ROWS - 1 drafts: fits
+    prompt = torch.randint(3, 128, (9,), generator=torch.Generator().manual_seed(6)).tolist()
+    want = Decoder(target).generate(prompt, 30, SamplingParams(temperature=0.0)).token_ids
+    assert Decoder(target, dspark, policy).generate(prompt, 30, SamplingParams(temperature=0.0)).token_ids == want

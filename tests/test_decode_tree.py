@@ -22,7 +22,8 @@ from dspark.draft.prompt_lookup import PromptLookupDrafter
 from dspark.draft.tree import DraftTree, TreeLimits, grow_tree
 from dspark.model.loading import load_target
 from dspark.sampling import SamplingParams
-from dspark.schedule.policies import DSparkTreePolicy, SPSTable, TreePolicy, parse_policy
+from dspark.model.compiled import ROWS
+from dspark.schedule.policies import DSparkTreePolicy, SPSTable, TreePolicy, VerifyAllPolicy, parse_policy
 
 TRIALS = 200_000
 
@@ -140,6 +141,21 @@ def test_greedy_tree_decoding_equals_plain_greedy(tiny, name, nodes):
         got = spec.generate(prompt, 40)
         assert got.token_ids == want
         assert all(r.nodes is not None and r.nodes <= nodes for r in got.rounds[:-1])
+
+
+def test_plain_chain_and_compiled_size_trees_get_the_same_cache_window(tiny, monkeypatch):
+    """The compiled runner attends over the whole cache, and its sums depend on the width: a request's
+    plain, chain and tree decoding (trees up to the runner's ROWS - 1 drafts) must allocate the same
+    one, or greedy speculative output drifts from plain output (it did on an AVX512-BF16 EPYC)."""
+    widths = []
+    new_cache = tiny.model.new_cache
+    monkeypatch.setattr(tiny.model, "new_cache", lambda b, n: widths.append(n) or new_cache(b, n))
+    drafter = make_random_dspark(tiny, "vanilla", block_size=4)
+    for policy in (None, VerifyAllPolicy(), TreePolicy(3), TreePolicy(ROWS - 1)):
+        Decoder(tiny, drafter if policy else None, policy).generate([5, 9, 17], 10)
+    assert len(set(widths)) == 1 and len(widths) == 4
+    Decoder(tiny, drafter, TreePolicy(2 * ROWS)).generate([5, 9, 17], 10)  # eager trees: room for their drafts
+    assert widths[-1] == widths[0] - (ROWS - 1) + 2 * ROWS
 
 
 def test_kv_compaction_leaves_exactly_the_accepted_path(tiny):

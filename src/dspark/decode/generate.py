@@ -15,6 +15,7 @@ from dspark.decode.step import DecodeStep, Round, draft_budget, drafts_per_round
 from dspark.decode.stopping import StopChecker
 from dspark.draft.base import Drafter, PerRequestDrafters
 from dspark.errors import DsparkError
+from dspark.model.compiled import ROWS
 from dspark.model.target import Target
 from dspark.sampling import SamplingParams, new_generator
 from dspark.schedule.policies import ARPolicy, Policy, VerifyAllPolicy
@@ -80,7 +81,7 @@ class Decoder:
         decode = self.target.decode if self.target.tokenizer is not None else None
         checker = StopChecker(self.target.eos_token_ids, max_new_tokens, stop, decode)
         emit = on_tokens or (lambda ids: None)
-        cache = model.new_cache(1, max_len + self.policy.tree_nodes)  # a tree's drafts sit past the committed tokens
+        cache = model.new_cache(1, max_len + tree_room(self.policy))
         self.policy.reset()
 
         t0 = time.perf_counter()
@@ -117,3 +118,13 @@ class Decoder:
             verify_s=self.step.verify_s - spent[1],
         )
         return GenerationResult(checker.token_ids, checker.text(), checker.finish_reason, stats, rounds)
+
+
+def tree_room(policy: Policy) -> int:
+    """Cache positions past a request's window where a tree's drafts sit: the policy's tree, and at least a
+    tree the compiled runner verifies (ROWS - 1 drafts) for every policy, trees or none. The compiled
+    runner attends over the whole cache and its attention sums depend on that width, so plain and
+    speculative decoding of a request must get the same one for its verify invariance (model/compiled.py):
+    with a policy's own room, `@tree`'s 8 more positions moved logits and greedy output on an AVX512-BF16
+    EPYC (4 of 12 prompts differed from plain decoding)."""
+    return max(policy.tree_nodes, ROWS - 1)

@@ -231,6 +231,13 @@ class TargetModel(nn.Module):
             self._lm_head_kernel = make(self.lm_head)
 
     @property
+    def verify_limit(self) -> int | None:
+        """The most tokens one forward of a request may verify in this mode, None for any: int8 weights live
+        in the compiled runner alone (`rows` tokens a call); a longer forward would run the eager bf16 model,
+        and a speculative output would then differ from plain int8 decoding."""
+        return self.compiled.rows if self.precision == "int8" and self.compiled is not None else None
+
+    @property
     def packed(self) -> bool:
         """True when the projections run oneDNN-prepacked weights."""
         return self._kernels is not None and isinstance(self._kernels[0].qkv, Packed)
