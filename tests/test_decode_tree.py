@@ -20,9 +20,9 @@ from dspark.draft.base import PerRequestDrafters
 from dspark.draft.hybrid import LookupBranchDrafter
 from dspark.draft.prompt_lookup import PromptLookupDrafter
 from dspark.draft.tree import DraftTree, TreeLimits, grow_tree
+from dspark.model.compiled import ROWS
 from dspark.model.loading import load_target
 from dspark.sampling import SamplingParams
-from dspark.model.compiled import ROWS
 from dspark.schedule.policies import DSparkTreePolicy, SPSTable, TreePolicy, VerifyAllPolicy, parse_policy
 
 TRIALS = 200_000
