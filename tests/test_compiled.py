@@ -8,6 +8,7 @@ import torch
 from helpers import BranchOracle, make_random_dspark, make_tiny_hf_model
 
 from dspark.cli import main
+from dspark.decode.engine import Engine
 from dspark.decode.generate import Decoder
 from dspark.decode.speculation import request_policy
 from dspark.draft.dspark import DSparkDrafter
@@ -174,6 +175,9 @@ def test_int8_verifies_no_more_tokens_a_forward_than_its_compiled_rows(compiled_
     with pytest.raises(DsparkError, match="int8 verifies at most"):
         request_policy(f"tree:{ROWS}", dspark, target)
     assert request_policy(f"fixed:{ROWS}", dspark, target).k == ROWS  # the drafter has ROWS - 1 drafts: fits
+    with pytest.raises(DsparkError, match="one request at a time"):  # batched rows would run the bf16 model
+        Engine(target, max_batch=2)
+    assert Engine(target, max_batch=1).max_batch == 1
     prompt = torch.randint(3, 128, (9,), generator=torch.Generator().manual_seed(6)).tolist()
     want = Decoder(target).generate(prompt, 30, SamplingParams(temperature=0.0)).token_ids
     assert Decoder(target, dspark, policy).generate(prompt, 30, SamplingParams(temperature=0.0)).token_ids == want

@@ -156,11 +156,13 @@ def cmd_serve(args) -> int:
 
     from dspark.decode.speculation import (
         check_drafter_spec,
+        check_verify_limit,
         engine_curve_tokens,
         engine_factory,
         resolve_drafter_spec,
         split_spec,
         with_policy,
+        within_verify_limit,
     )
     from dspark.model.loading import DEFAULT_MODEL, parse_dtype
     from dspark.schedule.policies import parse_policy
@@ -199,6 +201,10 @@ def cmd_serve(args) -> int:
         if measured:
             print(f"[dspark] profiled SPS(1..{sps.max_tokens}) of this target in this process; cached for later "
                   "starts", file=sys.stderr)
+    if sps is not None:
+        sps = within_verify_limit(target, sps)
+    elif policy_name != "ar":
+        check_verify_limit(target, policy_name, max_drafts)
     engine = make_engine(parse_policy(policy_name, sps), args.max_batch)
     name = args.served_model_name or (Path(args.model).name.removesuffix(".gguf") if args.model else DEFAULT_MODEL)
     metrics = ServerMetrics(name, engine.drafter.max_drafts if engine.drafter else 0)

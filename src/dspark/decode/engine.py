@@ -87,6 +87,9 @@ class Engine:
             raise DsparkError(f"max_batch must be >= 1, got {max_batch}")
         if draft_model is not None and make_drafter is not None:
             raise DsparkError("give either draft_model (batched) or make_drafter (per request), not both")
+        if target.model.verify_limit is not None and max_batch > 1:  # batched rows run the eager bf16 model
+            raise DsparkError(f"--dtype {target.model.precision} runs one request at a time (its compiled runner); the "
+                              "batched engine would run its rows in bf16: use --dtype bfloat16 (or q4), or --max-batch 1")
         self.target = target
         self.model = target.model
         self.policy = policy or ARPolicy()

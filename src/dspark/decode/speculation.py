@@ -164,15 +164,12 @@ def request_policy(rule: str, drafter: Drafter | None, target: Target,
     if name in ("threshold", "dspark", "dspark-async") and not drafter.has_confidence:
         raise DsparkError(f"this drafter has no confidence head: the {name} verification rule needs one")
     hardware = name.startswith("dspark") or rule == "tree"  # the policies that read the SPS curve
-    limit = target.model.verify_limit
     if not hardware:
-        if limit is not None:
-            check_verify_limit(rule, drafter, limit)
+        check_verify_limit(target, rule, drafter.max_drafts)
         return parse_policy(rule)
     draft_s = load_or_measure_draft_cost(drafter, target)
     max_tokens = TREE_MAX_TOKENS if name == "tree" else drafter.max_drafts + 1
-    sps = load_or_measure(target, max_tokens=max_tokens, progress=False)[0]
-    policy = parse_policy(name, sps if limit is None else SPSTable(sps.values[:limit]))  # no step past the limit
+    policy = parse_policy(name, within_verify_limit(target, load_or_measure(target, max_tokens=max_tokens, progress=False)[0]))
     assert isinstance(policy, DSparkPolicy)
     policy.gate.draft_seconds = lambda requests: draft_s
     return policy
@@ -205,11 +202,21 @@ def engine_factory(target: Target, drafter_spec: str | None, max_len: int | None
     return make(lambda: wrap_drafter(model, target), lookup_branches=lookup), drafter_spec, drafter.max_drafts
 
 
-def check_verify_limit(rule: str, drafter: Drafter, limit: int) -> None:
-    """Refuse a fixed-size rule that can verify more than `limit` tokens in one forward (the target's
-    `verify_limit`), saying what fits."""
+def within_verify_limit(target: Target, sps: SPSTable) -> SPSTable:
+    """`sps` cut at the target's `verify_limit` (the int8 mode's compiled rows), so that the hardware's
+    rules never verify past it."""
+    limit = target.model.verify_limit
+    return sps if limit is None else SPSTable(sps.values[:limit])
+
+
+def check_verify_limit(target: Target, rule: str, max_drafts: int) -> None:
+    """Refuse a fixed-size rule that can verify more than the target's `verify_limit` tokens in one
+    forward, saying what fits."""
+    limit = target.model.verify_limit
+    if limit is None:
+        return
     name, arg = check_policy(rule)
-    drafts = int(arg) if name == "tree" else min(int(arg), drafter.max_drafts) if name == "fixed" else drafter.max_drafts
+    drafts = int(arg) if name == "tree" else min(int(arg), max_drafts) if name == "fixed" else max_drafts
     if 1 + drafts > limit:
         raise DsparkError(f"--dtype int8 verifies at most {limit} tokens a forward (its compiled runner's rows), and "
                           f"{rule} with this drafter verifies up to {1 + drafts}: use tree:{limit - 1}, fixed:{limit - 1}, "
