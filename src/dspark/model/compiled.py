@@ -7,9 +7,10 @@ sequence, ROWS tokens at positions `pos`, each layer writing its K/V into that l
 tokens' slots and attending to the buffer in two parts merged as one softmax: the far context through
 SDPA, and each token's last ROWS positions gathered along its own path (a chain's rows, or a tree
 token's ancestors, wherever their K/V sit). Inductor compiles it with the weights
-frozen in (`freezing`) and its C++ GEMM templates (`max_autotune`, CPP backend: AMX / AVX512 / AVX2
-micro-kernels generated for these shapes), so ~120 projections and ~1,000 small eager ops become one
-call. `HeadGraph` is the LM head, compiled the same way.
+frozen in (`freezing`) and, with AMX or for int8 weights, its C++ GEMM templates (`max_autotune`, CPP
+backend: micro-kernels generated for these shapes; elsewhere oneDNN's prepacked products, measured as
+fast), so ~120 projections and ~1,000 small eager ops become one call. `HeadGraph` is the LM head,
+compiled the same way.
 
 Verify invariance: every call has the same shapes, ROWS tokens (the real ones, padded with copies of
 the last, which compute the same K/V for the same position) over the request's whole K/V window (the
@@ -44,7 +45,7 @@ from dspark.util.cache import cache_root
 from dspark.util.journal import json_digest
 from dspark.util.platform import cpu_flags
 
-COMPILED_VERSION = 3  # bumped when StepGraph / HeadGraph or their compile options change
+COMPILED_VERSION = 4  # bumped when StepGraph / HeadGraph or their compile options change
 WEIGHTS = ("bf16", "int8")  # how the compiled runner stores the projections' weights (see Projection)
 ROWS = 9  # tokens in every compiled call: an anchor and 8 drafts (more run eager: prefills, longer blocks)
 INDUCTOR_OPTIONS = {
@@ -54,6 +55,18 @@ INDUCTOR_OPTIONS = {
     # on the AMX Xeon, at 20-80% of their speed) and taken where no micro-kernel fits the CPU
     "max_autotune_gemm_backends": "CPP,ATEN",
 }
+# bf16 with AVX512-BF16 but no AMX (an EPYC): frozen weights in oneDNN's prepacked products, no autotuning. There the
+# templates won nothing: a 9-token forward with its logits took 16.6 and 16.9 ms (two packages) against 17.3 ms
+# with autotuning (interleaved in one process; eager 22.9 ms), and compiling took 88-95 s against ~120 s. int8
+# keeps the templates (its 9-token step 32.6 ms; ATen's int8 product 41.8 ms).
+ONEDNN_OPTIONS = {"freezing": True}
+
+
+def inductor_options(weights: str) -> dict:
+    """The Inductor options `compile_runner` builds `weights` with on this CPU (measured, see above)."""
+    flags = cpu_flags()
+    native_without_amx = "avx512_bf16" in flags and "amx_bf16" not in flags  # AVX2-only CPUs: not measured, templates
+    return ONEDNN_OPTIONS if weights == "bf16" and native_without_amx else INDUCTOR_OPTIONS
 
 
 class StepGraph(nn.Module):
@@ -230,9 +243,11 @@ def compile_runner(model, model_dir: Path, weights: str = "bf16", say=print, row
         for name, program in programs.items():
             say(f"compiling {name}.pt2 (Inductor's C++ GEMM templates, timed on this CPU; minutes)")
             partial = out / f"{name}.partial.pt2"
-            inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=INDUCTOR_OPTIONS)
+            inductor.aoti_compile_and_package(program, package_path=str(partial),
+                                              inductor_configs=inductor_options(weights))
             os.replace(partial, out / f"{name}.pt2")
-    meta = {"key": key, "rows": rows, "compile_s": round(time.perf_counter() - started, 1),
+    meta = {"key": key, "rows": rows, "inductor": inductor_options(weights),
+            "compile_s": round(time.perf_counter() - started, 1),
             "bytes": sum(p.stat().st_size for p in out.glob("*.pt2"))}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     return out
