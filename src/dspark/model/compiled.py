@@ -222,6 +222,8 @@ def compile_runner(model, model_dir: Path, weights: str = "bf16", say=print, row
 
     key = artifact_key(model_dir, weights)
     out = artifact_dir(model_dir, weights, key)
+    options = inductor_options(weights)
+    kernels = "Inductor's GEMM templates, timed on this CPU" if options.get("max_autotune") else "oneDNN's products"
     out.mkdir(parents=True, exist_ok=True)
     c = model.cfg
     step, head = StepGraph(model, weights).eval(), HeadGraph(model, weights).eval()
@@ -241,13 +243,11 @@ def compile_runner(model, model_dir: Path, weights: str = "bf16", say=print, row
             "head": torch.export.export(head, (torch.zeros(rows, c.hidden_size, dtype=torch.bfloat16),)),
         }
         for name, program in programs.items():
-            say(f"compiling {name}.pt2 (Inductor's C++ GEMM templates, timed on this CPU; minutes)")
+            say(f"compiling {name}.pt2 ({kernels}; minutes)")
             partial = out / f"{name}.partial.pt2"
-            inductor.aoti_compile_and_package(program, package_path=str(partial),
-                                              inductor_configs=inductor_options(weights))
+            inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
             os.replace(partial, out / f"{name}.pt2")
-    meta = {"key": key, "rows": rows, "inductor": inductor_options(weights),
-            "compile_s": round(time.perf_counter() - started, 1),
+    meta = {"key": key, "rows": rows, "inductor": options, "compile_s": round(time.perf_counter() - started, 1),
             "bytes": sum(p.stat().st_size for p in out.glob("*.pt2"))}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     return out
