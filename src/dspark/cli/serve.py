@@ -154,6 +154,7 @@ def cmd_serve(args) -> int:
 
     import uvicorn
 
+    from dspark.decode.engine import check_batch
     from dspark.decode.speculation import (
         check_drafter_spec,
         check_verify_limit,
@@ -185,6 +186,7 @@ def cmd_serve(args) -> int:
 
     bound_kernel_caches()
     target = open_target(args)
+    check_batch(target, args.max_batch)  # before any profiling
     spec, policy = split_spec(resolve_drafter_spec(requested, target), default="dspark")
     if args.max_model_len and args.max_model_len > target.model.max_positions:
         raise DsparkError(f"--max-model-len {args.max_model_len} exceeds the model's {target.model.max_positions} "

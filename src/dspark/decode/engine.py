@@ -61,6 +61,14 @@ class _Slot:
     checker: StopChecker
 
 
+def check_batch(target: Target, max_batch: int) -> None:
+    """Refuse batched rows where the target's mode exists for one request alone (int8: its compiled runner;
+    batched rows would run the eager bf16 model)."""
+    if target.model.verify_limit is not None and max_batch > 1:
+        raise DsparkError(f"--dtype {target.model.precision} runs one request at a time (its compiled runner); the "
+                          "batched engine would run its rows in bf16: use --dtype bfloat16 (or q4), or --max-batch 1")
+
+
 class Engine:
     """Continuous-batching speculative decoding over `max_batch` slots.
 
@@ -87,9 +95,7 @@ class Engine:
             raise DsparkError(f"max_batch must be >= 1, got {max_batch}")
         if draft_model is not None and make_drafter is not None:
             raise DsparkError("give either draft_model (batched) or make_drafter (per request), not both")
-        if target.model.verify_limit is not None and max_batch > 1:  # batched rows run the eager bf16 model
-            raise DsparkError(f"--dtype {target.model.precision} runs one request at a time (its compiled runner); the "
-                              "batched engine would run its rows in bf16: use --dtype bfloat16 (or q4), or --max-batch 1")
+        check_batch(target, max_batch)
         self.target = target
         self.model = target.model
         self.policy = policy or ARPolicy()
