@@ -157,16 +157,14 @@ def cmd_serve(args) -> int:
     from dspark.decode.engine import check_batch
     from dspark.decode.speculation import (
         check_drafter_spec,
-        check_verify_limit,
         engine_curve_tokens,
         engine_factory,
+        limited_policy,
         resolve_drafter_spec,
         split_spec,
         with_policy,
-        within_verify_limit,
     )
     from dspark.model.loading import DEFAULT_MODEL, parse_dtype
-    from dspark.schedule.policies import parse_policy
     from dspark.schedule.sps import cached_sps, load_or_measure
     from dspark.serve.connections import with_head_timeout
     from dspark.serve.metrics import ServerMetrics
@@ -203,15 +201,11 @@ def cmd_serve(args) -> int:
         if measured:
             print(f"[dspark] profiled SPS(1..{sps.max_tokens}) of this target in this process; cached for later "
                   "starts", file=sys.stderr)
-    if sps is not None:
-        sps = within_verify_limit(target, sps)
-    elif policy_name != "ar":
-        check_verify_limit(target, policy_name, max_drafts)
-    engine = make_engine(parse_policy(policy_name, sps), args.max_batch)
+    engine = make_engine(limited_policy(target, policy_name, sps, max_drafts), args.max_batch)
     name = args.served_model_name or (Path(args.model).name.removesuffix(".gguf") if args.model else DEFAULT_MODEL)
     metrics = ServerMetrics(name, engine.drafter.max_drafts if engine.drafter else 0)
     if sps is not None:
-        metrics.set_sps(sps.values)
+        metrics.set_sps(engine.policy.sps.values)  # the curve the policy reads (cut at an int8 target's verify limit)
     service = EngineService(engine, metrics, args.max_waiting)
     info = ServerInfo(name, drafter_label, policy_name)
     access = Access(args.api_key, args.max_request_bytes or BYTES_PER_TOKEN * engine.max_len, args.read_timeout)

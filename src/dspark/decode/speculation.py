@@ -165,11 +165,11 @@ def request_policy(rule: str, drafter: Drafter | None, target: Target,
         raise DsparkError(f"this drafter has no confidence head: the {name} verification rule needs one")
     hardware = name.startswith("dspark") or rule == "tree"  # the policies that read the SPS curve
     if not hardware:
-        check_verify_limit(target, rule, drafter.max_drafts)
-        return parse_policy(rule)
+        return limited_policy(target, rule, None, drafter.max_drafts)
     draft_s = load_or_measure_draft_cost(drafter, target)
     max_tokens = TREE_MAX_TOKENS if name == "tree" else drafter.max_drafts + 1
-    policy = parse_policy(name, within_verify_limit(target, load_or_measure(target, max_tokens=max_tokens, progress=False)[0]))
+    sps = load_or_measure(target, max_tokens=max_tokens, progress=False)[0]
+    policy = limited_policy(target, name, sps, drafter.max_drafts)
     assert isinstance(policy, DSparkPolicy)
     policy.gate.draft_seconds = lambda requests: draft_s
     return policy
@@ -202,22 +202,28 @@ def engine_factory(target: Target, drafter_spec: str | None, max_len: int | None
     return make(lambda: wrap_drafter(model, target), lookup_branches=lookup), drafter_spec, drafter.max_drafts
 
 
-def within_verify_limit(target: Target, sps: SPSTable) -> SPSTable:
-    """`sps` cut at the target's `verify_limit` (the int8 mode's compiled rows), so that the hardware's
-    rules never verify past it."""
-    limit = target.model.verify_limit
-    return sps if limit is None else SPSTable(sps.values[:limit])
-
-
-def check_verify_limit(target: Target, rule: str, max_drafts: int) -> None:
-    """Refuse a fixed-size rule that can verify more than the target's `verify_limit` tokens in one
-    forward, saying what fits."""
+def limited_policy(target: Target, rule: str, sps: SPSTable | None, max_drafts: int) -> Policy:
+    """`parse_policy(rule, sps)` within the target's `verify_limit` (the int8 mode's compiled rows): the
+    hardware's curve cut there, so that its rules never verify past it, and a fixed-size rule that can
+    verify more tokens a forward (with `max_drafts` drafts a round) refused, saying what fits."""
     limit = target.model.verify_limit
     if limit is None:
-        return
-    name, arg = check_policy(rule)
-    drafts = int(arg) if name == "tree" else min(int(arg), max_drafts) if name == "fixed" else max_drafts
+        return parse_policy(rule, sps)
+    if sps is not None:
+        return parse_policy(rule, SPSTable(sps.values[:limit]))
+    drafts = _most_drafts(rule, max_drafts)
     if 1 + drafts > limit:
         raise DsparkError(f"--dtype int8 verifies at most {limit} tokens a forward (its compiled runner's rows), and "
                           f"{rule} with this drafter verifies up to {1 + drafts}: use tree:{limit - 1}, fixed:{limit - 1}, "
                           f"--num-draft-tokens {limit - 1} or the hardware's rules (tree, dspark), or --dtype bfloat16")
+    return parse_policy(rule)
+
+
+def _most_drafts(rule: str, max_drafts: int) -> int:
+    """The most drafts a fixed-size rule verifies in one round of a drafter with `max_drafts`."""
+    name, arg = check_policy(rule)
+    if name == "ar":
+        return 0
+    if name == "tree":
+        return int(arg)
+    return min(int(arg), max_drafts) if name == "fixed" else max_drafts
