@@ -131,13 +131,13 @@ async def closed_loop(port: int, prompts: list[str], concurrency: int, max_token
 
 def in_process(target, prompts: list[str], concurrency: int, max_tokens: int, max_len: int = 1024):
     """The same closed loop on an in-process `Engine` under `ar` (no HTTP, no client): what serving costs."""
+    from dspark.cli.serve import PREFIX_CACHE_MIB
     from dspark.decode.engine import Engine, Request
-    from dspark.decode.prefix_cache import DEFAULT_MIB
     from dspark.sampling import SamplingParams
     from dspark.schedule.policies import ARPolicy
 
     engine = Engine(target, policy=ARPolicy(), max_batch=concurrency, max_len=max_len,
-                    prefix_cache_bytes=DEFAULT_MIB << 20)  # as `dspark serve` by default
+                    prefix_cache_bytes=PREFIX_CACHE_MIB << 20)  # as `dspark serve` by default
     requests = [Request(target.encode_prompt(p), max_tokens, SamplingParams()) for p in prompts]
     t0 = time.perf_counter()
     engine.run(requests)

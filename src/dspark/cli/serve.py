@@ -9,10 +9,10 @@ import socket
 import sys
 
 from dspark.cli.common import POLICIES, non_negative_int, open_target, positive_int, target_args
-from dspark.decode import prefix_cache
 from dspark.errors import DsparkError
 
 BYTES_PER_TOKEN = 256  # --max-request-bytes default per token of the window: text at ~4 bytes a token, escaped
+PREFIX_CACHE_MIB = 256  # --prefix-cache-mib default (here, not in decode/prefix_cache.py: the CLI loads without torch)
 
 
 def add_parsers(sub) -> None:
@@ -41,11 +41,11 @@ def add_parsers(sub) -> None:
                    "the KV cache for --max-batch such windows is allocated at start")
     s.add_argument("--max-waiting", type=positive_int, default=64,
                    help="requests that may wait for a free row; beyond it the server answers 429 (default 64)")
-    s.add_argument("--prefix-cache-mib", type=non_negative_int, default=prefix_cache.DEFAULT_MIB, metavar="MIB",
+    s.add_argument("--prefix-cache-mib", type=non_negative_int, default=PREFIX_CACHE_MIB, metavar="MIB",
                    help="memory for the K/V of prompt prefixes already prefilled, in blocks of 16 tokens: a prompt "
                    "that begins as an earlier one did (a shared system prompt, a conversation's earlier turns) "
                    "prefills only the rest, with the same output; least recently used blocks go first "
-                   f"(default {prefix_cache.DEFAULT_MIB}; 0 turns it off; vLLM's automatic prefix caching)")
+                   f"(default {PREFIX_CACHE_MIB}; 0 turns it off; vLLM's automatic prefix caching)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     s.add_argument("--served-model-name", default=None,

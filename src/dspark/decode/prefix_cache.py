@@ -22,7 +22,6 @@ import dataclasses
 import torch
 
 BLOCK = 16  # tokens a block: vLLM's default block size
-DEFAULT_MIB = 256  # `dspark serve`'s default budget
 
 
 @dataclasses.dataclass(eq=False)
