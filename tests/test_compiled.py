@@ -3,6 +3,8 @@ and with int8 weights (~30 s each): close to the eager bf16 runner, verify-invar
 not depend on how many tokens share its forward), so greedy speculative decoding is token-identical to
 plain decoding in both modes; and the artifacts' life cycle (`dspark compile`, --runner, a corrupt file)."""
 
+import json
+
 import pytest
 import torch
 from helpers import BranchOracle, make_random_dspark, make_tiny_hf_model
@@ -106,12 +108,13 @@ def test_greedy_speculative_equals_plain_greedy_in_compiled_modes(compiled_dir, 
     prompts = [torch.randint(3, 128, (int(n),), generator=gen).tolist() for n in (3, 11, 20, 6)]
     plain = Decoder(target)
     greedy = SamplingParams(temperature=0.0)
+    nodes = TreePolicy(target.model.verify_limit - 1)  # 8, or 7 on an AVX2-only CPU
     verified = accepted = 0
     for p in prompts:
         want = plain.generate(p, 30, greedy).token_ids
         chain = Decoder(target, DSparkDrafter(drafter.model, target)).generate(p, 30, greedy)
         # trees whose accepted path hides behind decoys at every level (K/V in scattered slots)
-        tree = Decoder(target, BranchOracle(want, len(p), 128), TreePolicy(8)).generate(p, 30, greedy)
+        tree = Decoder(target, BranchOracle(want, len(p), 128), nodes).generate(p, 30, greedy)
         assert chain.token_ids == want and tree.token_ids == want
         verified += sum(r.verified for r in chain.rounds)
         accepted += sum(r.accepted for r in tree.rounds)
@@ -119,8 +122,16 @@ def test_greedy_speculative_equals_plain_greedy_in_compiled_modes(compiled_dir, 
 
 
 def test_runner_choice_and_artifact_life_cycle(compiled_dir, tmp_path, monkeypatch, capsys):
+    meta_file = artifact_dir(compiled_dir) / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    assert isinstance(meta["faster_than_eager"], bool) and set(meta["timing_ms"]) == {"compiled", "eager"}
+    del meta["faster_than_eager"]  # built by a dspark that did not time its runners: timed on the next compile
+    meta_file.write_text(json.dumps(meta))
     assert main(["compile", "--model", str(compiled_dir)]) == 0
-    assert "already compiled" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "already compiled" in out and "timing it against the eager runner" in out
+    assert isinstance(json.loads(meta_file.read_text())["faster_than_eager"], bool)
+    _set_meta(meta_file, faster_than_eager=True)  # the verdict is this CPU's; both are tested
     assert _load(compiled_dir, "auto").model.compiled is not None
     assert load_target(compiled_dir, dtype=torch.float32, require_tokenizer=False).model.compiled is None
     with pytest.raises(DsparkError, match="runs bfloat16"):
@@ -141,6 +152,20 @@ def test_runner_choice_and_artifact_life_cycle(compiled_dir, tmp_path, monkeypat
                 "--dtype", "bfloat16", "--drafter", "none"]
     assert main(generate) == 0
     assert "bfloat16 compiled" in capsys.readouterr().err
+    _set_meta(meta_file, faster_than_eager=False)  # measured slower (the bf16 step on an AVX2-only CPU): auto passes it over
+    assert _load(compiled_dir, "auto").model.compiled is None
+    assert _load(compiled_dir, "compiled").model.compiled is not None
+    assert main(generate) == 0
+    assert "eager (`dspark compile` measured the compiled runner slower" in capsys.readouterr().err
+    _set_meta(meta_file, faster_than_eager=True)
+    exact = json.loads(meta_file.read_text())["exact_rows"]
+    _set_meta(meta_file, exact_rows=ROWS - 3)  # rows that round apart from the first: chains are cut there
+    target = _load(compiled_dir)
+    assert target.model.verify_limit == ROWS - 3
+    dspark = DSparkDrafter(make_random_dspark(target, "vanilla", block_size=ROWS - 1, std=0.3).model, target)
+    rounds = Decoder(target, dspark).generate([5, 9, 17], 20, SamplingParams(temperature=0.0)).rounds
+    assert max(r.verified for r in rounds) == ROWS - 4
+    _set_meta(meta_file, exact_rows=exact)
     assert _load(compiled_dir, "auto", "int8").model.precision == "int8"
     with pytest.raises(DsparkError, match="compiled runner only"):
         _load(compiled_dir, "eager", "int8")
@@ -155,29 +180,56 @@ def test_runner_choice_and_artifact_life_cycle(compiled_dir, tmp_path, monkeypat
         _load(compiled_dir, "auto", "int8")
 
 
+def test_padding_rows_write_past_the_real_tokens(compiled_dir):
+    """A slot written by two rows of one call keeps either one's K/V: where rows round apart (the 9th row on
+    an AVX2-only CPU), plain decoding's 8 padding rows sharing its token's slot made it nondeterministic
+    (two runs' caches differed at the 40th token of a reply). The padding rows, copies of the last token,
+    fill the slots after it instead."""
+    model = _load(compiled_dir).model
+    cache = model.new_cache(1, 40)
+    model(torch.tensor([[5, 9, 17]]), cache)
+    model(torch.tensor([[21]]), cache)
+    kv = cache.kv[0][0]
+    assert int(cache.lengths[0]) == 4 and kv[:, 3].abs().sum() > 0
+    assert torch.equal(kv[:, 4:3 + ROWS], kv[:, 3:4].expand(-1, ROWS - 1, -1))
+
+
+def _set_meta(meta_file, **fields) -> None:
+    meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), **fields}))
+
+
 def test_compile_refuses_what_the_step_does_not_cover(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
     qwen3 = make_tiny_hf_model("qwen3", tmp_path / "qwen3", tie=True)
     assert main(["compile", "--model", str(qwen3)]) == 1  # a one-line error, no traceback
 
 
-def test_int8_verifies_no_more_tokens_a_forward_than_its_compiled_rows(compiled_dir):
-    """Past the compiled runner's rows a forward runs the eager bf16 model: the int8 mode's hardware tree
-    stops at ROWS - 1 drafts whatever the cost curve says (on an EPYC the eager bf16 16-token forward was
-    cheaper than the int8 9-token one, and 32-node trees made greedy output differ from plain int8
-    decoding on 12 of 12 prompts), and fixed-size rules that cannot fit are refused."""
-    target = _load(compiled_dir, dtype="int8")
-    assert target.model.verify_limit == ROWS and _load(compiled_dir).model.verify_limit is None
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_compiled_modes_verify_no_more_tokens_a_forward_than_their_exact_rows(compiled_dir, dtype):
+    """Past the compiled runner's rows a forward runs the eager model (int8: the bf16 one), and on an AVX2-only
+    CPU its 9th row rounded apart from the others: the hardware tree stops at the exact rows whatever the
+    cost curve says (on an EPYC the eager bf16 16-token forward was cheaper than the int8 9-token one, and
+    32-node trees made greedy output differ from plain int8 decoding on 12 of 12 prompts), fixed-size
+    rules and trees that cannot fit are refused, and the decoder's chains are cut there."""
+    target = _load(compiled_dir, dtype=dtype)
+    limit = target.model.verify_limit
+    assert limit == target.model.compiled.exact_rows and limit in (ROWS - 1, ROWS)
+    assert _load(compiled_dir, "eager").model.verify_limit is None
     drafter = make_random_dspark(target, "vanilla", block_size=ROWS - 1, std=0.3)
     dspark = DSparkDrafter(drafter.model, target)
     policy = request_policy("tree", dspark, target)
-    assert policy.tree_nodes <= ROWS - 1 and policy.sps.max_tokens == ROWS
-    with pytest.raises(DsparkError, match="int8 verifies at most"):
-        request_policy(f"tree:{ROWS}", dspark, target)
-    assert request_policy(f"fixed:{ROWS}", dspark, target).k == ROWS  # the drafter has ROWS - 1 drafts: fits
-    with pytest.raises(DsparkError, match="one request at a time"):  # batched rows would run the bf16 model
-        Engine(target, max_batch=2)
+    assert policy.tree_nodes <= limit - 1 and policy.sps.max_tokens == limit
+    with pytest.raises(DsparkError, match="verifies at most"):
+        request_policy(f"tree:{limit}", dspark, target)
+    with pytest.raises(DsparkError, match="verifies at most"):
+        Decoder(target, dspark, TreePolicy(limit))
+    assert request_policy(f"fixed:{limit - 1}", dspark, target).k == limit - 1
+    if dtype == "int8":
+        with pytest.raises(DsparkError, match="one request at a time"):  # batched rows would run the bf16 model
+            Engine(target, max_batch=2)
     assert Engine(target, max_batch=1).max_batch == 1
     prompt = torch.randint(3, 128, (9,), generator=torch.Generator().manual_seed(6)).tolist()
     want = Decoder(target).generate(prompt, 30, SamplingParams(temperature=0.0)).token_ids
     assert Decoder(target, dspark, policy).generate(prompt, 30, SamplingParams(temperature=0.0)).token_ids == want
+    chains = Decoder(target, dspark).generate(prompt, 30, SamplingParams(temperature=0.0))  # every draft verified
+    assert chains.token_ids == want and max(r.verified for r in chains.rounds) <= limit - 1

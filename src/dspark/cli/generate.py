@@ -132,12 +132,14 @@ def _report(args, target: Target, result, streamer, drafter_spec: str | None) ->
 
 
 def _runner_name(target, asked: str) -> str:
-    """"compiled", or "eager" with a hint where --runner auto found no compiled runner to use."""
-    from dspark.model.compiled import runs_compiled
+    """"compiled", or "eager" with a word on why where --runner auto did not take a compiled runner."""
+    from dspark.model.compiled import runner_built, runs_compiled
 
     model = target.model
     if model.compiled is not None:
         return "compiled"
     if asked == "auto" and runs_compiled(model):
+        if runner_built(target.path):
+            return "eager (`dspark compile` measured the compiled runner slower on this CPU)"
         return "eager (run `dspark compile` once for the compiled runner)"
     return "eager"

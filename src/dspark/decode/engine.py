@@ -64,7 +64,7 @@ class _Slot:
 def check_batch(target: Target, max_batch: int) -> None:
     """Refuse batched rows where the target's mode exists for one request alone (int8: its compiled runner;
     batched rows would run the eager bf16 model)."""
-    if target.model.verify_limit is not None and max_batch > 1:
+    if target.model.precision == "int8" and max_batch > 1:
         raise DsparkError(f"--dtype {target.model.precision} runs one request at a time (its compiled runner); the "
                           "batched engine would run its rows in bf16: use --dtype bfloat16 (or q4), or --max-batch 1")
 

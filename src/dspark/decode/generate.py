@@ -59,6 +59,11 @@ class Decoder:
         bad = [t for t in taps if not -1 <= t < target.cfg.num_hidden_layers]  # -1: the embedding output
         if bad:
             raise DsparkError(f"drafter taps layers {bad}, but the target has {target.cfg.num_hidden_layers} layers")
+        limit = target.model.verify_limit  # a compiled runner's exact rows: verify no more a forward
+        if limit is not None and self.policy.tree_nodes >= limit:
+            raise DsparkError(f"a tree of {self.policy.tree_nodes} drafts needs {self.policy.tree_nodes + 1}-token forwards, "
+                              f"and this target verifies at most {limit} tokens a forward exactly (its compiled runner)")
+        self.most_drafts = limit - 1 if limit is not None else None
         self.step = DecodeStep(target.model, PerRequestDrafters(lambda: drafter) if drafter else None, self.policy)
 
     def generate(
@@ -99,6 +104,8 @@ class Decoder:
                 checker.finish_reason = "length"
                 break
             row.budget = draft_budget(max_new_tokens - len(checker.token_ids), max_len - committed)
+            if self.most_drafts is not None:
+                row.budget = min(row.budget, self.most_drafts)
             result = self.step(cache, [row])[0]
             rounds.append(result.round)
             row.anchor = result.tokens[-1]

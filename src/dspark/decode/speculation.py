@@ -203,7 +203,7 @@ def engine_factory(target: Target, drafter_spec: str | None, max_len: int | None
 
 
 def limited_policy(target: Target, rule: str, sps: SPSTable | None, max_drafts: int) -> Policy:
-    """`parse_policy(rule, sps)` within the target's `verify_limit` (the int8 mode's compiled rows): the
+    """`parse_policy(rule, sps)` within the target's `verify_limit` (a compiled runner's exact rows): the
     hardware's curve cut there, so that its rules never verify past it, and a fixed-size rule that can
     verify more tokens a forward (with `max_drafts` drafts a round) refused, saying what fits."""
     limit = target.model.verify_limit
@@ -213,9 +213,11 @@ def limited_policy(target: Target, rule: str, sps: SPSTable | None, max_drafts: 
         return parse_policy(rule, SPSTable(sps.values[:limit]))
     drafts = _most_drafts(rule, max_drafts)
     if 1 + drafts > limit:
-        raise DsparkError(f"--dtype int8 verifies at most {limit} tokens a forward (its compiled runner's rows), and "
-                          f"{rule} with this drafter verifies up to {1 + drafts}: use tree:{limit - 1}, fixed:{limit - 1}, "
-                          f"--num-draft-tokens {limit - 1} or the hardware's rules (tree, dspark), or --dtype bfloat16")
+        instead = "--dtype bfloat16" if target.model.precision == "int8" else "--runner eager"
+        raise DsparkError(f"the compiled {target.model.precision} runner verifies at most {limit} tokens a forward exactly "
+                          f"(`dspark compile` measured it on this CPU), and {rule} with this drafter verifies up to "
+                          f"{1 + drafts}: use tree:{limit - 1}, fixed:{limit - 1}, --num-draft-tokens {limit - 1} or "
+                          f"the hardware's rules (tree, dspark), or {instead}")
     return parse_policy(rule)
 
 

@@ -26,7 +26,9 @@ tokens. The price is a ROWS-token forward for every plain step, which the flat c
 
 Artifacts live under the dspark cache, keyed by the model, the CPU's flags, torch's version and
 COMPILED_VERSION (`artifact_dir`); `compile_runner` builds them (`dspark compile`), `load_runner` finds
-them (None when absent: the eager runner stays the reference and the fallback).
+them (None when absent: the eager runner stays the reference and the fallback). `dspark compile` then times
+the runner against the eager one (`record_timing`); `--runner auto` passes over a runner measured slower (on
+an AVX2-only CPU, whose bf16 products have no native instructions, the compiled bf16 step ran 2.6x slower).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from torch import nn
 
 from dspark.errors import DsparkError
 from dspark.util.cache import cache_root
+from dspark.util.files import atomic_write_text
 from dspark.util.journal import json_digest
 from dspark.util.platform import cpu_flags
 
@@ -250,7 +253,16 @@ def compile_runner(model, model_dir: Path, weights: str = "bf16", say=print, row
     meta = {"key": key, "rows": rows, "inductor": options, "compile_s": round(time.perf_counter() - started, 1),
             "bytes": sum(p.stat().st_size for p in out.glob("*.pt2"))}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    record_exact_rows(model_dir, weights, c, say)
     return out
+
+
+def record_exact_rows(model_dir: Path, weights: str, cfg, say=print) -> int:
+    """Measure which of the built runner's rows compute exactly as its first and store it in meta.json."""
+    say("checking which rows of a call compute a token exactly as a 1-token call does")
+    exact = measure_exact_rows(CompiledRunner(artifact_dir(model_dir, weights), cfg), cfg)
+    update_meta(model_dir, weights, exact_rows=exact)
+    return exact
 
 
 class CompiledRunner:
@@ -266,7 +278,9 @@ class CompiledRunner:
             raise DsparkError(f"cannot load the compiled runner in {directory} ({type(e).__name__}: {e}); "
                               "delete that directory and run `dspark compile` again") from None
         self.layers = cfg.num_hidden_layers
-        self.rows = json.loads((directory / "meta.json").read_text())["rows"]
+        meta = json.loads((directory / "meta.json").read_text())
+        self.rows = meta["rows"]
+        self.exact_rows = meta.get("exact_rows", self.rows)  # measured by `dspark compile` (measure_exact_rows)
 
     def covers(self, q: int, window: int) -> bool:
         """Whether the step runs q tokens of one sequence whose K/V window is `window` positions."""
@@ -280,7 +294,11 @@ class CompiledRunner:
         q = input_ids.shape[1]
         depth, visible = chain_layout(q) if tree is None else tree
         ids, pos = _padded(input_ids[0], self.rows), start + _padded(depth, self.rows)
-        slots = torch.arange(start, start + self.rows).clamp_(max=start + q - 1)
+        # the padding rows write their K/V past the real ones where the window has room (the decoder leaves
+        # ROWS - 1 positions of it): a slot written twice in one call keeps either row's K/V, and rows that
+        # round apart (measure_exact_rows) would make the kept one, and decoding, nondeterministic
+        slots = torch.arange(start, start + self.rows)
+        slots[q:] = torch.where(slots[q:] < kv[0].shape[-2], slots[q:], start + q - 1)
         path_slots, on_path = (_padded(t, self.rows) for t in near_slots(start, depth, visible, self.rows))
         hidden, states = self.step(ids, pos, slots, path_slots, on_path, *[t[0] for t in kv])
         hidden = hidden[:q]
@@ -318,15 +336,68 @@ def near_slots(start: int, depth: torch.Tensor, visible: torch.Tensor, rows: int
     return torch.where(in_call, start + ancestor, position.clamp(min=0)), position >= 0
 
 
+def measure_exact_rows(runner: CompiledRunner, cfg, trials: int = 256, seed: int = 0) -> int:
+    """How many leading rows of a call compute a token exactly as row 0 does: the most tokens a
+    forward may verify with the runner's verify invariance. Each trial puts one random token at a
+    random position in every row over random K/V and finds the first row whose outputs differ from
+    row 0's (on an AVX2-only CPU the 9th row, the GEMM templates' M tail, rounded a layer's output
+    1 bf16 ulp apart once in ~40 decoded tokens; AVX512 and AMX kernels measured exact in all 9)."""
+    g = torch.Generator().manual_seed(seed)
+    width, exact = 4 * runner.rows, runner.rows
+    shape = (2 * cfg.num_key_value_heads, width, cfg.head_dim)
+    for _ in range(trials):
+        kv = [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(runner.layers)]
+        start = int(torch.randint(runner.rows, width - runner.rows, (1,), generator=g))
+        ids = torch.randint(0, cfg.vocab_size, (1,), generator=g).repeat(runner.rows)  # contiguous
+        pos = torch.full((runner.rows,), start)
+        path_slots, on_path = (_padded(t, runner.rows) for t in near_slots(start, *chain_layout(1), runner.rows))
+        hidden, states = runner.step(ids, pos, torch.arange(start, start + runner.rows), path_slots, on_path, *kv)
+        same = (states == states[:1]).flatten(1).all(1) & (hidden == hidden[:1]).all(1)
+        exact = min(exact, int(same.long().cumprod(0).sum()))
+    return exact
+
+
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
     """x [n, ...] with its last row repeated to `rows` rows (n <= rows), contiguous."""
     return torch.cat([x, x[-1:].expand(rows - x.shape[0], *x.shape[1:])])
 
 
-def load_runner(model_dir: Path, cfg, weights: str = "bf16") -> CompiledRunner | None:
+def load_runner(model_dir: Path, cfg, weights: str = "bf16", only_if_faster: bool = False) -> CompiledRunner | None:
     """This machine's compiled runner for the model in `model_dir` with `weights`, or None where
-    `dspark compile` has not built it."""
-    directory = artifact_dir(model_dir, weights)
-    if not (directory / "meta.json").is_file():
+    `dspark compile` has not built it (or, `only_if_faster`, where it measured slower than eager)."""
+    if not runner_built(model_dir, weights) or (only_if_faster and faster_than_eager(model_dir, weights) is False):
         return None
-    return CompiledRunner(directory, cfg)
+    return CompiledRunner(artifact_dir(model_dir, weights), cfg)
+
+
+def runner_built(model_dir: Path, weights: str = "bf16") -> bool:
+    return (artifact_dir(model_dir, weights) / "meta.json").is_file()
+
+
+def read_meta(model_dir: Path, weights: str = "bf16") -> dict:
+    """This machine's runner's meta.json ({} where absent or unreadable)."""
+    try:
+        meta = json.loads((artifact_dir(model_dir, weights) / "meta.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def faster_than_eager(model_dir: Path, weights: str = "bf16") -> bool | None:
+    """Whether `dspark compile` measured this machine's compiled runner faster than the eager bf16 one
+    (None: not built, or built before the comparison was recorded)."""
+    return read_meta(model_dir, weights).get("faster_than_eager")
+
+
+def update_meta(model_dir: Path, weights: str, **fields) -> None:
+    """Add `fields` to this machine's runner's meta.json (atomically)."""
+    atomic_write_text(artifact_dir(model_dir, weights) / "meta.json", json.dumps({**read_meta(model_dir, weights), **fields}, indent=1))
+
+
+def record_timing(model_dir: Path, weights: str, ms: dict[str, dict[int, float]]) -> bool:
+    """Store `ms` ({"compiled" / "eager": {tokens: ms a forward with logits}}) and the verdict in the
+    runner's meta.json; returns the verdict: faster at every size timed."""
+    faster = all(ms["compiled"][k] < ms["eager"][k] for k in ms["eager"])
+    update_meta(model_dir, weights, faster_than_eager=faster,
+                timing_ms={name: {str(k): round(v, 2) for k, v in t.items()} for name, t in ms.items()})
+    return faster

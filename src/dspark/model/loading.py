@@ -129,7 +129,7 @@ def load_target(
     """`dtype`: a torch dtype, a --dtype name, "q4" (a GGUF's int4 blocks as stored; CPU only) or
     "int8" (the compiled runner's int8 weight-only projections; bf16 eager for what it does not run).
     `runner`: "auto" (the compiled runner where `dspark compile` built one for this model, CPU and
-    threads, in bf16; else eager), "compiled" (an error without one) or "eager"."""
+    threads, in bf16, unless it measured it slower than eager there; else eager), "compiled" (an error without one) or "eager"."""
     if runner not in RUNNERS:
         raise DsparkError(f"unknown runner {runner!r}; choose one of {list(RUNNERS)}")
     if isinstance(dtype, str):
@@ -178,7 +178,7 @@ def _compiled_runner(model: TargetModel, model_dir: Path, weights: str, required
             raise DsparkError(f"the compiled runner runs bfloat16 on a CPU; this target is {model.precision} "
                               f"on {model.device.type} (use --dtype bfloat16 or --runner eager)")
         return None
-    runner = load_runner(model_dir, model.cfg, weights)
+    runner = load_runner(model_dir, model.cfg, weights, only_if_faster=not required)
     if runner is None and required:
         build = "dspark compile" + (" --dtype int8" if weights == "int8" else "")
         instead = "--dtype bfloat16" if weights == "int8" else "--runner eager"

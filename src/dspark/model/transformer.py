@@ -232,10 +232,12 @@ class TargetModel(nn.Module):
 
     @property
     def verify_limit(self) -> int | None:
-        """The most tokens one forward of a request may verify in this mode, None for any: int8 weights live
-        in the compiled runner alone (`rows` tokens a call); a longer forward would run the eager bf16 model,
-        and a speculative output would then differ from plain int8 decoding."""
-        return self.compiled.rows if self.precision == "int8" and self.compiled is not None else None
+        """The most tokens one forward of a request may verify in this mode, None for any. With a compiled
+        runner, the leading rows of its calls that compute a token exactly as a 1-token call does
+        (`exact_rows`: all `rows`, or one fewer on an AVX2-only CPU): a longer forward would run the eager
+        model (for int8, the bf16 one) or rows that round differently, and a speculative output would then
+        differ from plain decoding in this mode."""
+        return self.compiled.exact_rows if self.compiled is not None else None
 
     @property
     def packed(self) -> bool:
