@@ -1,5 +1,10 @@
+import os
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest -n N: the cores are shared out among the workers
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture(scope="session")

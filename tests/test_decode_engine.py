@@ -321,13 +321,15 @@ def test_cancelled_requests_free_their_rows_and_leave_the_others_exact(tiny_targ
     assert engine.active == [] and not engine.waiting and len(finished) == 4
 
 
-def test_bench_serve_cli(tmp_path):
-    
+def test_bench_serve_cli(tmp_path, tiny_dirs):
+    """The benchmark's rows, report and resumable journal (a tiny target speaking through SmolLM2's
+    tokenizer: what is checked here is the bookkeeping, not the speed)."""
+    model = ["--model", str(tiny_dirs[0])]
     ds = tmp_path / "p.jsonl"
     ds.write_text('{"turns": ["Name a fruit."]}\n{"turns": ["Count to three."]}\n')
-    r = run_cli("bench", "serve", "--drafter", "prompt-lookup", "--policies", "ar,fixed:1,dspark", "--concurrency", "1,2",
-                "--requests", "4", "--max-new-tokens", "8", "--dataset", str(ds), "--out", str(tmp_path / "out"),
-                "--dtype", "float32", env_extra={"DSPARK_CACHE_DIR": str(tmp_path / "cache")})
+    r = run_cli("bench", "serve", *model, "--drafter", "prompt-lookup", "--policies", "ar,fixed:1,dspark",
+                "--concurrency", "1,2", "--requests", "4", "--max-new-tokens", "8", "--dataset", str(ds), "--out",
+                str(tmp_path / "out"), "--dtype", "float32", env_extra={"DSPARK_CACHE_DIR": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr
     result = __import__("json").loads((tmp_path / "out" / "serve.json").read_text())
     assert [(x["concurrency"], x["policy"]) for x in result["rows"]] == [
@@ -343,7 +345,7 @@ def test_bench_serve_cli(tmp_path):
                         [1, "fixed:1", 1], [1, "dspark", 1], [1, "ar", 1]]
     # killed after two chunks: the rerun (with one more policy) keeps them and measures only the rest
     journal.write_text("".join(lines[:3]))
-    r = run_cli("bench", "serve", "--drafter", "prompt-lookup", "--policies", "ar,fixed:1,dspark,fixed:2",
+    r = run_cli("bench", "serve", *model, "--drafter", "prompt-lookup", "--policies", "ar,fixed:1,dspark,fixed:2",
                 "--concurrency", "1,2", "--requests", "4", "--max-new-tokens", "8", "--dataset", str(ds), "--out",
                 str(tmp_path / "out"), "--dtype", "float32", env_extra={"DSPARK_CACHE_DIR": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr

@@ -160,8 +160,9 @@ def test_a_request_failing_in_the_engine_leaves_the_others_exact(tiny_dirs):
 
 def test_fuzzing_the_published_schema_finds_nothing(tiny_dirs):
     """Schemathesis against GET /openapi.json, every check but positive-data acceptance (a prompt's
-    tokens plus its limit must fit the window, which no schema says), on a 256-token window: no 5xx,
-    every response (status, content type, body, SSE events) as documented, no traceback logged."""
+    tokens plus its limit must fit the window, which no schema says), response time held to the request
+    timeout (a speed depends on the machine and its load: benchmarks measure it), on a 256-token window:
+    no 5xx, every response (status, content type, body, SSE events) as documented, no traceback logged."""
     import subprocess
     import sys
 
@@ -170,7 +171,8 @@ def test_fuzzing_the_published_schema_finds_nothing(tiny_dirs):
                     "--api-key", KEY)
     try:
         done = subprocess.run([Path(sys.executable).with_name("schemathesis"), "run", f"{server.url}/openapi.json",
-                               "--checks", "all", "--exclude-checks", "positive_data_acceptance", "--max-examples",
+                               "--checks", "all", "--exclude-checks", "positive_data_acceptance",
+                               "--max-response-time", "60", "--max-examples",
                                "25", "--seed", "48", "--workers", "2", "--request-timeout", "60", "-H",
                                f"Authorization: Bearer {KEY}"], capture_output=True, text=True, timeout=600)
         server.log.seek(0)

@@ -248,7 +248,7 @@ def test_full_queue_answers_429_and_shutdown_is_graceful(tiny_dirs):
     model_dir, _ = tiny_dirs
     server = Server("--model", str(model_dir), "--drafter", "none", "--dtype", "float32", "--max-batch", "1",
                     "--max-waiting", "1", "--max-model-len", str(WINDOW), "--served-model-name", "tiny",
-                    "--shutdown-timeout", "60")
+                    "--shutdown-timeout", "600")  # room for A's 3,000 tokens on a slow, shared CPU
     try:
         running, reader = open_stream(server, chat("A", max_tokens=3000, temperature=1.0, seed=3))
         reader.next_event()
