@@ -147,6 +147,13 @@ def test_runner_choice_and_artifact_life_cycle(compiled_dir, tmp_path, monkeypat
             _load(compiled_dir, "auto")
     finally:
         step.write_bytes(saved)
+    saved = meta_file.read_text()
+    try:
+        meta_file.write_text("{")  # a meta.json cut short
+        with pytest.raises(DsparkError, match="no readable meta.json; delete that directory"):
+            _load(compiled_dir, "compiled")
+    finally:
+        meta_file.write_text(saved)
 
     generate = ["generate", "--model", str(compiled_dir), "--prompt-ids", "5,9,17", "--max-new-tokens", "3",
                 "--dtype", "bfloat16", "--drafter", "none"]

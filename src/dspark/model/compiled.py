@@ -278,7 +278,10 @@ class CompiledRunner:
             raise DsparkError(f"cannot load the compiled runner in {directory} ({type(e).__name__}: {e}); "
                               "delete that directory and run `dspark compile` again") from None
         self.layers = cfg.num_hidden_layers
-        meta = json.loads((directory / "meta.json").read_text())
+        meta = _meta_in(directory)
+        if not isinstance(meta.get("rows"), int):
+            raise DsparkError(f"the compiled runner in {directory} has no readable meta.json; delete that directory "
+                              "and run `dspark compile` again")
         self.rows = meta["rows"]
         self.exact_rows = meta.get("exact_rows", self.rows)  # measured by `dspark compile` (measure_exact_rows)
 
@@ -376,8 +379,12 @@ def runner_built(model_dir: Path, weights: str = "bf16") -> bool:
 
 def read_meta(model_dir: Path, weights: str = "bf16") -> dict:
     """This machine's runner's meta.json ({} where absent or unreadable)."""
+    return _meta_in(artifact_dir(model_dir, weights))
+
+
+def _meta_in(directory: Path) -> dict:
     try:
-        meta = json.loads((artifact_dir(model_dir, weights) / "meta.json").read_text())
+        meta = json.loads((directory / "meta.json").read_text())
     except (OSError, ValueError):
         return {}
     return meta if isinstance(meta, dict) else {}
@@ -391,7 +398,8 @@ def faster_than_eager(model_dir: Path, weights: str = "bf16") -> bool | None:
 
 def update_meta(model_dir: Path, weights: str, **fields) -> None:
     """Add `fields` to this machine's runner's meta.json (atomically)."""
-    atomic_write_text(artifact_dir(model_dir, weights) / "meta.json", json.dumps({**read_meta(model_dir, weights), **fields}, indent=1))
+    meta = {**read_meta(model_dir, weights), **fields}
+    atomic_write_text(artifact_dir(model_dir, weights) / "meta.json", json.dumps(meta, indent=1))
 
 
 def record_timing(model_dir: Path, weights: str, ms: dict[str, dict[int, float]]) -> bool:
