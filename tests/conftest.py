@@ -3,8 +3,13 @@ import os
 import pytest
 import torch
 
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest -n N: the cores are shared out among the workers
-    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # pytest -n N: the cores are shared out among the workers, and the dspark processes a test starts (CLI
+    # runs, servers) inherit the share. More busy OpenMP threads than cores make every parallel region wait
+    # for a descheduled thread: a tiny server then took > 60 s for one reply.
+    share = max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(share)
+    os.environ["OMP_NUM_THREADS"] = str(share)
 
 
 @pytest.fixture(scope="session")
