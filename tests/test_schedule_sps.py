@@ -84,7 +84,6 @@ def test_profile_measures_once_then_reloads(tiny_targets, tmp_path, monkeypatch)
     assert not fresh2 and path2 == path and again == table
     r = run_cli("profile", "--model", str(tiny_targets[0][1]), "--max-tokens", "6", "--context", "16", "--reps", "2",
                 "--dtype", "float32",  # the dtype cached above, whatever --dtype auto picks on this CPU
-                "--threads", str(torch.get_num_threads()),  # and its thread count (pytest -n gives each worker a share)
                 "--plot", str(tmp_path / "sps.png"), env_extra={"DSPARK_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert "cached" in r.stdout and (tmp_path / "sps.png").stat().st_size > 0
