@@ -21,6 +21,15 @@ def smollm2_fp32():
 
 
 @pytest.fixture(scope="session")
+def smollm2_q4f32():
+    """The real embedded target in q4f32: its GGUF blocks as stored, fp32 activations (--dtype auto on CPUs
+    without bf16 units)."""
+    from dspark.model.loading import load_target
+
+    return load_target(None, dtype="q4f32")
+
+
+@pytest.fixture(scope="session")
 def tiny_targets(tmp_path_factory):
     """Tiny random llama (untied), llama (tied), qwen2 and qwen3 targets, as (name, hf_dir)."""
     from helpers import make_tiny_hf_model

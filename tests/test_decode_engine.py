@@ -153,10 +153,13 @@ def test_a_drafting_step_is_timed_with_the_catch_up_drafting_owes(tiny_targets, 
     assert all(s < owed for p, s in after if not p), after
 
 
-def test_batched_greedy_on_smollm2_with_prompt_lookup(smollm2_fp32):
+@pytest.mark.parametrize("mode", ["smollm2_fp32", "smollm2_q4f32"])
+def test_batched_greedy_on_smollm2_with_prompt_lookup(request, mode):
+    """Ragged batched rows, one to a few tokens each, equal single-request greedy decoding in the exact
+    modes: float32 and q4f32 (its block kernel computes a row the same whatever rows share the forward)."""
     from helpers import eval_prompts
 
-    target = smollm2_fp32
+    target = request.getfixturevalue(mode)
     prompts = [target.encode_prompt(p) for p in eval_prompts("mt-bench", 4) + eval_prompts("mbpp", 4)]
     ar = Decoder(target)
     want = [ar.generate(p, 16 + 4 * i).token_ids for i, p in enumerate(prompts)]

@@ -51,6 +51,24 @@ def test_greedy_tree_decoding_with_the_shipped_drafter_equals_plain_greedy(smoll
     assert taus["auto+lookup@tree:16"] >= taus["auto@tree:16"] > taus["auto@full"] > 1.2, taus
 
 
+def test_q4f32_speculation_is_token_identical_to_its_plain_decoding(smollm2_q4f32):
+    """q4f32 (the GGUF's blocks as stored, fp32 activations; --dtype auto on CPUs without bf16 units): its
+    block kernel computes a row the same whatever the number of rows, so chains of any length and trees
+    give exactly the plain decoding of that mode, not only near it."""
+    from dspark.decode.speculation import load_speculation
+
+    target, prompts = smollm2_q4f32, PROMPTS[1::2]
+    want = [Decoder(target).generate(target.encode_prompt(p), 64).token_ids for p in prompts]
+    for spec in ("prompt-lookup", "auto+lookup@tree:16"):
+        _, drafter, policy = load_speculation(spec, target)
+        decoder, rounds, tokens = Decoder(target, drafter, policy), 0, 0
+        for prompt, ids in zip(prompts, want):
+            result = decoder.generate(target.encode_prompt(prompt), 64)
+            assert result.token_ids == ids, f"{spec} diverged on prompt {prompt[:60]!r}"
+            rounds, tokens = rounds + result.stats.rounds, tokens + result.stats.new_tokens - 1
+        assert tokens / rounds > 1.1, spec  # multi-token forwards really ran
+
+
 def test_stop_string_eos_and_budget_end_generation_identically(smollm2_fp32):
     ids = smollm2_fp32.encode_prompt("List three colours, one per line.")
     ar, spec = Decoder(smollm2_fp32), Decoder(smollm2_fp32, PromptLookupDrafter(8))

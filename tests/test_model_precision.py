@@ -1,5 +1,6 @@
-"""The runner's precision modes: the bf16 fast path (folded norms, interleaved RoPE) and q4 (a GGUF's
-int4 blocks run as stored). Greedy near-tie checks of each mode are in test_generate.py."""
+"""The runner's precision modes: the bf16 fast path (folded norms, interleaved RoPE), q4 (a GGUF's
+int4 blocks run as stored) and q4f32 (its blocks as stored, fp32 activations). Greedy near-tie checks of
+each mode are in test_decode_generate.py."""
 
 from types import SimpleNamespace
 
@@ -10,9 +11,10 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
 from dspark.errors import DsparkError
-from dspark.model.kernels import FastLinear, Int4, StackedKernel, fast_linears
-from dspark.model.loading import load_target
-from dspark.model.quant import dequantise_int4, int4_kernel, int4_parts, q8_0_parts
+from dspark.model.block_linear import BYTES, BlockLinear
+from dspark.model.kernels import FastLinear, Int4, StackedKernel, cpu_has_native_bf16, fast_linears
+from dspark.model.loading import load_target, parse_dtype
+from dspark.model.quant import _blocks, dequantise_int4, int4_kernel, int4_parts, q8_0_parts
 
 
 def gguf_tensor(w: np.ndarray, qtype: GGMLQuantizationType):
@@ -58,6 +60,28 @@ def test_q8_0_blocks_are_two_exact_int4_nibbles():
     assert (kernel(x).float() - want).abs().max().item() <= 1e-2 * want.abs().max().item()
 
 
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])
+def test_block_kernel_multiplies_the_stored_weights_the_same_for_any_rows(qtype):
+    """q4f32's kernel: its weights are bit for bit gguf-py's dequantisation (what float32 mode holds), its
+    products those of fp32 arithmetic, and a row's result is the same bits whatever rows share the call
+    (1..17 rows: every register tile; 50 outputs: a partial output tile)."""
+    w = 2 * np.random.default_rng(7).standard_normal((50, 128)).astype(np.float32)
+    t = gguf_tensor(w, qtype)
+    kernel = BlockLinear(qtype.name, _blocks(t, BYTES[qtype.name]))
+    stored = torch.from_numpy(quants.dequantize(t.data, qtype))
+    assert torch.equal(kernel.dequantised(), stored)
+
+    x = torch.randn(17, 128, generator=torch.Generator().manual_seed(2))
+    got = kernel(x)
+    want = x.double() @ stored.double().t()
+    assert (got.double() - want).abs().max().item() < 1e-5 * want.abs().max().item()
+    for rows in range(1, 18):
+        assert torch.equal(kernel(x[:rows]), got[:rows]), rows
+    assert torch.equal(torch.cat([kernel(x[i : i + 1]) for i in range(17)]), got)
+    with pytest.raises(TypeError, match="fp32 activations"):
+        kernel(x.bfloat16())
+
+
 def test_fast_path_matches_fp32_on_every_family(tiny_targets):
     """bf16 folds norms into projections and permutes Q / K rows (Qwen2's bias and Qwen3's q/k norms
     with them): logits stay near fp32's, batched ragged rows equal one-by-one forwards."""
@@ -94,10 +118,36 @@ def test_q4_runs_the_gguf_blocks_close_to_the_exact_model(smollm2_fp32):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.85
 
 
+def test_q4f32_is_the_float32_model_at_the_files_bytes(smollm2_fp32, smollm2_q4f32):
+    m = smollm2_q4f32.model
+    assert m.precision == "q4f32" and m.dtype == torch.float32 and not m.fast
+    assert isinstance(m._kernels[0].qkv, BlockLinear) and m._lm_head_kernel.kind == "Q8_0"  # the head as stored
+    ids = smollm2_q4f32.encode_prompt("Explain why the sky is blue in two sentences.")
+    ref = smollm2_fp32.model
+    want = ref.logits(ref(torch.tensor([ids]), ref.new_cache(1, len(ids))).hidden[0])
+    got = m.logits(m(torch.tensor([ids]), m.new_cache(1, len(ids))).hidden[0])
+    # the same weights in fp32 arithmetic, summed in another order: measured max |diff| 1.5e-4 (logits ~38)
+    assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    kernels = [m._lm_head_kernel, *(k for lk in m._kernels for k in (lk.qkv, lk.o, lk.gate_up, lk.down))]
+    held = sum(t.numel() * t.element_size() for k in kernels for t in (k.codes, k.d, k.m))
+    # Q4_1 0.75 bytes a weight, the Q8_0 head 1.25 (codes and fp32 d, m a block): measured 0.86; float32 holds 4
+    assert held < 0.9 * sum(k.out_features * k.in_features for k in kernels)
+
+
+def test_auto_runs_a_gguf_as_blocks_only_without_bf16_units(tiny_targets):
+    _, model_dir = tiny_targets[0]
+    native = cpu_has_native_bf16()
+    assert parse_dtype("auto") == (torch.bfloat16 if native else "q4f32")  # the embedded SmolLM2 GGUF
+    assert parse_dtype("auto", spec=model_dir) == (torch.bfloat16 if native else torch.float32)
+    assert parse_dtype("auto", quantised=False) == (torch.bfloat16 if native else torch.float32)
+
+
 def test_q4_needs_a_gguf_file(tiny_targets):
     _, model_dir = tiny_targets[0]
-    with pytest.raises(DsparkError, match="not a .gguf file"):
-        load_target(model_dir, dtype="q4", require_tokenizer=False)
+    for mode in ("q4", "q4f32"):
+        with pytest.raises(DsparkError, match=f"--dtype {mode} runs a GGUF file's quantised weights"):
+            load_target(model_dir, dtype=mode, require_tokenizer=False)
     with pytest.raises(DsparkError, match="unknown dtype 'int3'"):
         load_target(model_dir, dtype="int3", require_tokenizer=False)
 

@@ -90,6 +90,6 @@ def _time_against_eager(args, weights: str, say) -> None:
     elif not faster:
         say(f"{timing}: slower on this CPU, so --runner auto keeps the eager runner (--runner compiled forces it)")
     elif default_dtype() != torch.bfloat16:
-        say(f"{timing}; --dtype bfloat16 uses it (--dtype auto runs float32 eager on this CPU)")
+        say(f"{timing}; --dtype bfloat16 uses it (--dtype auto runs eager, without bf16, on this CPU)")
     else:
         say(f"{timing}; --runner auto uses it from now on")

@@ -1,4 +1,7 @@
-"""GGUF's quantised blocks, read as they are stored, for the `q4` precision mode.
+"""GGUF's quantised blocks, read as they are stored, for the `q4` and `q4f32` precision modes.
+
+q4f32 keeps every block as the file stores it (`BlockLinear`, fp32 activations): the float32 mode's
+weights at the file's bytes. q4 turns them into PyTorch's int4 kernels (bf16 activations):
 
 Q4_0 (w = d * (q - 8)) and Q4_1 (w = d * q + m) blocks of 32 become `Int4` kernels with group 32
 (scale d, zero m + 8d; d and m are fp16 in the file and bf16 in the kernel, the one rounding this
@@ -14,6 +17,8 @@ import numpy as np
 import torch
 
 from dspark.errors import DsparkError
+from dspark.model import block_linear
+from dspark.model.block_linear import BlockLinear
 from dspark.model.gguf_file import read_gguf, unpermute_qk
 from dspark.model.kernels import Int4, dense_kernel
 from dspark.model.transformer import QuantisedWeights, TargetModel
@@ -82,27 +87,38 @@ def int4_kernel(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], bi
     return Int4(q, scale, zero, BLOCK, bias)
 
 
-def quantised_weights(gguf_path, model: TargetModel) -> QuantisedWeights:
-    """The q4 kernels of `model` (a bf16 `TargetModel` loaded from the same file) from its GGUF blocks."""
+def _qkv_order(model: TargetModel) -> torch.Tensor:
+    """Rows of the GGUF's q|k|v stacked -> the model's fused qkv order (llama files store Q / K permuted for
+    RoPE; the bf16 fast path interleaves their pairs)."""
     c = model.cfg
-    tensors = {t.name: t for t in read_gguf(gguf_path).tensors}
-
-    def parts(name: str):
-        t = tensors[name]
-        if t.tensor_type.name not in INT4_TYPES:
-            raise DsparkError(
-                f"--dtype q4 runs Q4_0 / Q4_1 GGUF tensors, but {name} in {gguf_path} is {t.tensor_type.name}; "
-                f"use --dtype bfloat16 or float32 for this file")
-        return int4_parts(t)
-
-    # rows of the GGUF's fused q|k|v -> the runner's order (llama files store Q / K permuted for RoPE)
     nq, nk = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     order = torch.arange(nq + 2 * nk)
     if c.family == "llama":
         order = torch.cat([unpermute_qk(order[:nq, None], c.num_attention_heads)[:, 0],
                            unpermute_qk(order[nq : nq + nk, None], c.num_key_value_heads)[:, 0], order[nq + nk :]])
-    order = model.interleave_qk_rows(order)
+    return model.interleave_qk_rows(order) if model.fast else order
 
+
+def _gguf_tensors(gguf_path) -> dict:
+    return {t.name: t for t in read_gguf(gguf_path).tensors}
+
+
+def _refuse(mode: str, name: str, kind: str, gguf_path, kinds) -> DsparkError:
+    return DsparkError(f"--dtype {mode} runs {' / '.join(kinds)} GGUF tensors, but {name} in {gguf_path} is {kind}; "
+                       f"use --dtype bfloat16 or float32 for this file")
+
+
+def quantised_weights(gguf_path, model: TargetModel) -> QuantisedWeights:
+    """The q4 kernels of `model` (a bf16 `TargetModel` loaded from the same file) from its GGUF blocks."""
+    tensors = _gguf_tensors(gguf_path)
+
+    def parts(name: str):
+        t = tensors[name]
+        if t.tensor_type.name not in INT4_TYPES:
+            raise _refuse("q4", name, t.tensor_type.name, gguf_path, INT4_TYPES)
+        return int4_parts(t)
+
+    order = _qkv_order(model)
     layers = []
     for i, layer in enumerate(model.layers):
         p = f"blk.{i}."
@@ -120,4 +136,49 @@ def quantised_weights(gguf_path, model: TargetModel) -> QuantisedWeights:
         lm_head = int4_kernel([int4_parts(head)])
     else:  # F16 / BF16 / F32: the plain weight the model already holds
         lm_head = dense_kernel(model.lm_head)
-    return QuantisedWeights(layers=layers, lm_head=lm_head)
+    return QuantisedWeights(layers=layers, lm_head=lm_head, precision="q4")
+
+
+def _projections(tensors: dict) -> list[str]:
+    """The names of a GGUF's projection weights and LM head (what the q4f32 mode runs as blocks)."""
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    return [n for n in tensors if n.startswith("blk.") and n.endswith(".weight") and "norm" not in n] + [head]
+
+
+def runs_as_blocks(gguf_path) -> bool:
+    """Whether the q4f32 mode runs this GGUF file: every projection a kind its kernel reads, and the kernel
+    builds here."""
+    tensors = _gguf_tensors(gguf_path)
+    kinds = {tensors[n].tensor_type.name for n in _projections(tensors)}
+    return kinds <= set(block_linear.OFFSET) and all(block_linear.built(kind) for kind in kinds)
+
+
+def block_weights(gguf_path, model: TargetModel) -> QuantisedWeights:
+    """The q4f32 kernels of `model` (a float32 `TargetModel` loaded from the same file): each projection's
+    GGUF blocks as stored (Q4_0 / Q4_1 / Q8_0; the tensors of a fused projection of one kind)."""
+    tensors = _gguf_tensors(gguf_path)
+
+    def kernel(names: list[str], order: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> BlockLinear:
+        kinds = {tensors[n].tensor_type.name for n in names}
+        for n in names:
+            if tensors[n].tensor_type.name not in block_linear.OFFSET or len(kinds) > 1:
+                raise _refuse("q4f32", n, tensors[n].tensor_type.name, gguf_path, sorted(block_linear.OFFSET))
+        kind = kinds.pop()
+        if not block_linear.built(kind):
+            raise DsparkError("--dtype q4f32 needs its C++ kernel, which could not be built here (see the warning "
+                              "above: a C++ compiler such as g++ is required); use --dtype float32")
+        rows = np.concatenate([_blocks(tensors[n], block_linear.BYTES[kind]) for n in names])
+        return BlockLinear(kind, rows if order is None else rows[order.numpy()], bias)
+
+    order, layers = _qkv_order(model), []
+    for i, layer in enumerate(model.layers):
+        p = f"blk.{i}."
+        bias = None if layer.bqkv is None else layer.bqkv.detach()
+        layers.append((kernel([p + f"attn_{n}.weight" for n in "qkv"], order, bias), kernel([p + "attn_output.weight"]),
+                       kernel([p + "ffn_gate.weight", p + "ffn_up.weight"]), kernel([p + "ffn_down.weight"])))
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    if tensors[head].tensor_type.name in block_linear.OFFSET:
+        lm_head = kernel([head])
+    else:  # F16 / BF16 / F32: the plain weight the model already holds
+        lm_head = dense_kernel(model.lm_head)
+    return QuantisedWeights(layers=layers, lm_head=lm_head, precision="q4f32")

@@ -197,8 +197,8 @@ class TargetModel(nn.Module):
     def prepare(self, pack: bool = True, quantised: QuantisedWeights | None = None) -> None:
         """Build each projection's kernel once (see kernels.py) and drop the plain copies they replace.
 
-        `pack`: oneDNN-prepacked weights where they are faster (CPU). `quantised`: the q4 mode's
-        int4 kernels (layers and LM head), built from a GGUF file by `quant.py`."""
+        `pack`: oneDNN-prepacked weights where they are faster (CPU). `quantised`: the q4 / q4f32 modes'
+        kernels (layers and LM head), built from a GGUF file by `quant.py`."""
         if self._kernels is not None:
             raise RuntimeError("TargetModel.prepare runs once")
         c = self.cfg
@@ -226,7 +226,7 @@ class TargetModel(nn.Module):
         self._kernels = kernels
         if quantised is not None:
             self._lm_head_kernel = quantised.lm_head
-            self.precision = "q4"
+            self.precision = quantised.precision
         else:
             self._lm_head_kernel = make(self.lm_head)
 
@@ -480,7 +480,8 @@ class LayerKernels:
 
 @dataclasses.dataclass
 class QuantisedWeights:
-    """The q4 mode's kernels: per layer (qkv, o, gate_up, down), and the LM head."""
+    """A GGUF mode's kernels (quant.py): per layer (qkv, o, gate_up, down), the LM head, the mode's name."""
 
     layers: list[tuple[object, object, object, object]]
     lm_head: object
+    precision: str
