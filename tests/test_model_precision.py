@@ -135,6 +135,37 @@ def test_q4f32_is_the_float32_model_at_the_files_bytes(smollm2_fp32, smollm2_q4f
     assert held < 0.9 * sum(k.out_features * k.in_features for k in kernels)
 
 
+def test_q4f32_runs_a_gguf_whose_fused_projections_share_one_block_kind(tmp_path):
+    """A fused projection (q|k|v, gate|up) must be stored in one kind the kernel reads: mixed files (as
+    llama.cpp's K-quant mixes make them) are not offered to `auto`, and `--dtype q4f32` refuses them."""
+    import gguf
+
+    from dspark.model.quant import block_weights, runs_as_blocks
+
+    rng = np.random.default_rng(0)
+
+    def write(path, kinds):
+        writer = gguf.GGUFWriter(str(path), "llama")
+        names = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+        for name, kind in zip(names, kinds):
+            writer.add_tensor(f"blk.0.{name}.weight", quants.quantize(rng.standard_normal((32, 64)).astype(np.float32),
+                                                                       kind), raw_dtype=kind)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    q41, q80 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
+    assert runs_as_blocks(write(tmp_path / "one.gguf", [q41] * 3 + [q80] + [q41] * 3))  # o alone may differ
+    mixed = write(tmp_path / "mixed.gguf", [q41, q41, q80] + [q41] * 4)  # v apart from q and k
+    assert not runs_as_blocks(mixed)
+    with pytest.raises(DsparkError, match="blk.0.attn_v.weight Q8_0: use --dtype float32"):
+        block_weights(mixed, SimpleNamespace(layers=[SimpleNamespace(bqkv=None)], fast=False,
+                                             cfg=SimpleNamespace(family="qwen2", num_attention_heads=1,
+                                                                 num_key_value_heads=1, head_dim=32)))
+
+
 def test_auto_runs_a_gguf_as_blocks_only_without_bf16_units(tiny_targets):
     _, model_dir = tiny_targets[0]
     native = cpu_has_native_bf16()

@@ -139,46 +139,48 @@ def quantised_weights(gguf_path, model: TargetModel) -> QuantisedWeights:
     return QuantisedWeights(layers=layers, lm_head=lm_head, precision="q4")
 
 
-def _projections(tensors: dict) -> list[str]:
-    """The names of a GGUF's projection weights and LM head (what the q4f32 mode runs as blocks)."""
-    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    return [n for n in tensors if n.startswith("blk.") and n.endswith(".weight") and "norm" not in n] + [head]
+def _layer_groups(tensors: dict) -> list[list[list[str]]]:
+    """Per layer, the GGUF tensors of each fused projection: [q, k, v], [o], [gate, up], [down]."""
+    layers = sorted({int(n.split(".")[1]) for n in tensors if n.startswith("blk.")})
+    return [[[f"blk.{i}.attn_{n}.weight" for n in "qkv"], [f"blk.{i}.attn_output.weight"],
+             [f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"], [f"blk.{i}.ffn_down.weight"]] for i in layers]
+
+
+def _block_kind(tensors: dict, names: list[str]) -> str | None:
+    """The one kind of block the q4f32 kernel reads that all of `names` are stored in, else None."""
+    kinds = {tensors[n].tensor_type.name for n in names}
+    return kinds.pop() if len(kinds) == 1 and kinds <= set(block_linear.OFFSET) else None
 
 
 def runs_as_blocks(gguf_path) -> bool:
-    """Whether the q4f32 mode runs this GGUF file: every projection a kind its kernel reads, and the kernel
-    builds here."""
+    """Whether the q4f32 mode runs this GGUF file: each fused projection stored in one kind of block its
+    kernel reads, and the kernel builds here."""
     tensors = _gguf_tensors(gguf_path)
-    kinds = {tensors[n].tensor_type.name for n in _projections(tensors)}
-    return kinds <= set(block_linear.OFFSET) and all(block_linear.built(kind) for kind in kinds)
+    kinds = [_block_kind(tensors, names) for layer in _layer_groups(tensors) for names in layer]
+    return None not in kinds and all(block_linear.built(kind) for kind in set(kinds))
 
 
 def block_weights(gguf_path, model: TargetModel) -> QuantisedWeights:
     """The q4f32 kernels of `model` (a float32 `TargetModel` loaded from the same file): each projection's
-    GGUF blocks as stored (Q4_0 / Q4_1 / Q8_0; the tensors of a fused projection of one kind)."""
+    GGUF blocks as stored (Q4_0 / Q4_1 / Q8_0, one kind for the tensors of a fused projection)."""
     tensors = _gguf_tensors(gguf_path)
 
     def kernel(names: list[str], order: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> BlockLinear:
-        kinds = {tensors[n].tensor_type.name for n in names}
-        for n in names:
-            if tensors[n].tensor_type.name not in block_linear.OFFSET or len(kinds) > 1:
-                raise _refuse("q4f32", n, tensors[n].tensor_type.name, gguf_path, sorted(block_linear.OFFSET))
-        kind = kinds.pop()
+        kind = _block_kind(tensors, names)
+        if kind is None:
+            stored = ", ".join(f"{n} {tensors[n].tensor_type.name}" for n in names)
+            raise DsparkError(f"--dtype q4f32 runs {' / '.join(block_linear.OFFSET)} GGUF tensors, one kind for the "
+                              f"parts of a fused projection; {gguf_path} stores {stored}: use --dtype float32")
         if not block_linear.built(kind):
             raise DsparkError("--dtype q4f32 needs its C++ kernel, which could not be built here (see the warning "
                               "above: a C++ compiler such as g++ is required); use --dtype float32")
         rows = np.concatenate([_blocks(tensors[n], block_linear.BYTES[kind]) for n in names])
         return BlockLinear(kind, rows if order is None else rows[order.numpy()], bias)
 
-    order, layers = _qkv_order(model), []
-    for i, layer in enumerate(model.layers):
-        p = f"blk.{i}."
-        bias = None if layer.bqkv is None else layer.bqkv.detach()
-        layers.append((kernel([p + f"attn_{n}.weight" for n in "qkv"], order, bias), kernel([p + "attn_output.weight"]),
-                       kernel([p + "ffn_gate.weight", p + "ffn_up.weight"]), kernel([p + "ffn_down.weight"])))
+    order = _qkv_order(model)
+    layers = [(kernel(qkv, order, None if layer.bqkv is None else layer.bqkv.detach()), kernel(o), kernel(gate_up),
+               kernel(down)) for layer, (qkv, o, gate_up, down) in zip(model.layers, _layer_groups(tensors))]
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    if tensors[head].tensor_type.name in block_linear.OFFSET:
-        lm_head = kernel([head])
-    else:  # F16 / BF16 / F32: the plain weight the model already holds
-        lm_head = dense_kernel(model.lm_head)
+    # an F16 / BF16 / F32 head: the plain weight the model already holds
+    lm_head = kernel([head]) if _block_kind(tensors, [head]) else dense_kernel(model.lm_head)
     return QuantisedWeights(layers=layers, lm_head=lm_head, precision="q4f32")
