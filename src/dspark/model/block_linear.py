@@ -3,13 +3,14 @@ precision mode's kernel (a small C++ kernel, block_linear.cpp).
 
 The float32 mode of a GGUF target dequantises its Q4_1 / Q8_0 blocks once and reads 4 bytes a weight
 at every step; on a CPU without bf16 units that is what bounds decoding (SmolLM2: 538 MB a token).
-This kernel keeps the blocks (0.5-1.1 bytes a weight), dequantises a few weight rows at a time into an
-L1 scratch exactly as gguf-py does (so the weights are bit for bit the float32 mode's) and multiplies
-them with fp32 activations. No PyTorch kernel fits, measured on an AVX2-only EPYC (benchmarks/results/
-README.md, "q4f32"): `_weight_int4pack_mm_for_cpu` wants bf16 activations and bf16 scales (rounding the
-file's fp16 ones) and costs ~6x for 9 rows what it costs for one; `_weight_int8pack_mm` has per-row
-scales only and ran at 1.5 GB/s with fp32 activations; Inductor's weight-only GEMM templates need bf16
-activations, and ran slower than the eager bf16 model on that CPU; oneDNN's prepacked fp32 product reads
+This kernel keeps the blocks' codes (with each block's d and m as fp32: 0.75 bytes a weight for Q4,
+1.25 for Q8_0), dequantises a few weight rows at a time into an L1 scratch exactly as gguf-py does (so
+the weights are bit for bit the float32 mode's) and multiplies them with fp32 activations. No PyTorch
+kernel fits, measured on an AVX2-only EPYC (benchmarks/results/README.md, "q4f32"):
+`_weight_int4pack_mm_for_cpu` wants bf16 activations and bf16 scales (rounding the file's fp16 ones) and
+costs ~6x for 9 rows what it costs for one; `_weight_int8pack_mm` has per-row scales only and ran at
+1.5 GB/s with fp32 activations; Inductor's weight-only GEMM templates need bf16 activations, and ran
+slower than the eager bf16 model on that CPU; oneDNN's prepacked fp32 product reads
 the dequantised weights (4 bytes each).
 
 Each output is one fp32 accumulator per row, fed in order of k and summed across vector lanes one fixed
