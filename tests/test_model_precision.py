@@ -179,6 +179,8 @@ def test_q4_needs_a_gguf_file(tiny_targets):
     for mode in ("q4", "q4f32"):
         with pytest.raises(DsparkError, match=f"--dtype {mode} runs a GGUF file's quantised weights"):
             load_target(model_dir, dtype=mode, require_tokenizer=False)
+    with pytest.raises(DsparkError, match="runs its own kernel, not the compiled runner"):
+        load_target(None, dtype="q4f32", runner="compiled")
     with pytest.raises(DsparkError, match="unknown dtype 'int3'"):
         load_target(model_dir, dtype="int3", require_tokenizer=False)
 

@@ -156,7 +156,8 @@ def load_target(
     if int8 and runner == "eager":
         raise DsparkError("--dtype int8 runs on the compiled runner only; drop --runner eager")
     if blocks and runner == "compiled":
-        raise DsparkError("--dtype q4f32 runs its own kernel, not the compiled runner; drop --runner compiled")
+        raise DsparkError("--dtype q4f32 (auto's pick for a GGUF on a CPU without bf16 units) runs its own kernel, "
+                          "not the compiled runner; drop --runner compiled, or use --dtype bfloat16 with it")
     gguf = gguf_source(spec, dtype) if quantised or blocks else None
     model = TargetModel(cfg, dtype=torch.bfloat16 if quantised or int8 else torch.float32 if blocks else dtype)
     model.load_hf_state_dict(read_state_dict(model_dir))
