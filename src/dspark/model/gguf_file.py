@@ -7,17 +7,19 @@ RoPE layout: `unpermute_qk` undoes it (the logit-match test against HF catches a
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
 from dspark.errors import DsparkError
 from dspark.model.config import TargetConfig
 from dspark.util.cache import cache_root
-from dspark.util.files import atomic_directory
+from dspark.util.files import atomic_directory, atomic_write_text
 
 GGUF_FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -63,6 +65,36 @@ def read_gguf(path: Path, hint: str = ""):
         return gguf.GGUFReader(str(path))
     except Exception as e:  # corrupt or not GGUF at all
         raise DsparkError(f"cannot read {path} as GGUF: {e}{hint}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """Where a tensor's data lies in a GGUF file, and how it is stored."""
+
+    kind: str  # the GGML type's name: Q4_1, Q8_0, F32, ...
+    shape: tuple[int, ...]  # as GGUF lists it, innermost first
+    offset: int  # of its data, in bytes from the file's start
+    nbytes: int
+
+    def raw(self, path: Path) -> np.ndarray:
+        """The stored bytes (a read-only map of the file)."""
+        return np.memmap(path, dtype=np.uint8, mode="r", offset=self.offset, shape=(self.nbytes,))
+
+
+def stored_tensors(gguf_path: Path) -> dict[str, StoredTensor]:
+    """Every tensor of `gguf_path` by name, indexed once under the cache: gguf-py parses the whole header,
+    the tokenizer's vocabulary included (~5 s for SmolLM2), to find them."""
+    index = cache_root() / "gguf-index" / f"{gguf_path.stem}-{_gguf_fingerprint(gguf_path)}.json"
+    try:
+        return {name: StoredTensor(kind, tuple(shape), offset, nbytes)
+                for name, (kind, shape, offset, nbytes) in json.loads(index.read_text()).items()}
+    except (OSError, ValueError, TypeError):  # none yet, or cut short: (re)built below
+        pass
+    table = {t.name: StoredTensor(t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.data_offset),
+                                  int(t.n_bytes)) for t in read_gguf(gguf_path).tensors}
+    index.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(index, json.dumps({n: [t.kind, list(t.shape), t.offset, t.nbytes] for n, t in table.items()}))
+    return table
 
 
 def gguf_to_hf_dir(gguf_path: Path) -> Path:

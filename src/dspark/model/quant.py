@@ -19,7 +19,7 @@ import torch
 from dspark.errors import DsparkError
 from dspark.model import block_linear
 from dspark.model.block_linear import BlockLinear
-from dspark.model.gguf_file import read_gguf, unpermute_qk
+from dspark.model.gguf_file import read_gguf, stored_tensors, unpermute_qk
 from dspark.model.kernels import Int4, dense_kernel
 from dspark.model.transformer import QuantisedWeights, TargetModel
 
@@ -148,14 +148,14 @@ def _layer_groups(tensors: dict) -> list[list[list[str]]]:
 
 def _block_kind(tensors: dict, names: list[str]) -> str | None:
     """The one kind of block the q4f32 kernel reads that all of `names` are stored in, else None."""
-    kinds = {tensors[n].tensor_type.name for n in names}
+    kinds = {tensors[n].kind for n in names}
     return kinds.pop() if len(kinds) == 1 and kinds <= set(block_linear.OFFSET) else None
 
 
 def runs_as_blocks(gguf_path) -> bool:
     """Whether the q4f32 mode runs this GGUF file: each fused projection stored in one kind of block its
     kernel reads, and the kernel builds here."""
-    tensors = _gguf_tensors(gguf_path)
+    tensors = stored_tensors(gguf_path)
     kinds = [_block_kind(tensors, names) for layer in _layer_groups(tensors) for names in layer]
     return None not in kinds and all(block_linear.built(kind) for kind in set(kinds))
 
@@ -163,18 +163,19 @@ def runs_as_blocks(gguf_path) -> bool:
 def block_weights(gguf_path, model: TargetModel) -> QuantisedWeights:
     """The q4f32 kernels of `model` (a float32 `TargetModel` loaded from the same file): each projection's
     GGUF blocks as stored (Q4_0 / Q4_1 / Q8_0, one kind for the tensors of a fused projection)."""
-    tensors = _gguf_tensors(gguf_path)
+    tensors = stored_tensors(gguf_path)
 
     def kernel(names: list[str], order: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> BlockLinear:
         kind = _block_kind(tensors, names)
         if kind is None:
-            stored = ", ".join(f"{n} {tensors[n].tensor_type.name}" for n in names)
+            stored = ", ".join(f"{n} {tensors[n].kind}" for n in names)
             raise DsparkError(f"--dtype q4f32 runs {' / '.join(block_linear.OFFSET)} GGUF tensors, one kind for the "
                               f"parts of a fused projection; {gguf_path} stores {stored}: use --dtype float32")
         if not block_linear.built(kind):
             raise DsparkError("--dtype q4f32 needs its C++ kernel, which could not be built here (see the warning "
                               "above: a C++ compiler such as g++ is required); use --dtype float32")
-        rows = np.concatenate([_blocks(tensors[n], block_linear.BYTES[kind]) for n in names])
+        rows = np.concatenate([tensors[n].raw(gguf_path).reshape(tensors[n].shape[1], -1, block_linear.BYTES[kind])
+                               for n in names])
         return BlockLinear(kind, rows if order is None else rows[order.numpy()], bias)
 
     order = _qkv_order(model)
