@@ -135,30 +135,46 @@ def test_q4f32_is_the_float32_model_at_the_files_bytes(smollm2_fp32, smollm2_q4f
     assert held < 0.9 * sum(k.out_features * k.in_features for k in kernels)
 
 
-def test_q4f32_runs_a_gguf_whose_fused_projections_share_one_block_kind(tmp_path):
-    """A fused projection (q|k|v, gate|up) must be stored in one kind the kernel reads: mixed files (as
-    llama.cpp's K-quant mixes make them) are not offered to `auto`, and `--dtype q4f32` refuses them."""
+def write_gguf(path, kinds):
+    """A one-layer GGUF of q, k, v, o, gate, up, down projections [32, 64] stored as `kinds`."""
     import gguf
 
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, kind in zip(["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"], kinds):
+        w = rng.standard_normal((32, 64)).astype(np.float32)
+        writer.add_tensor(f"blk.0.{name}.weight", quants.quantize(w, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_stored_tensors_are_indexed_once_and_reindexed_when_the_index_is_cut(tmp_path, monkeypatch):
+    from dspark.model.gguf_file import read_gguf, stored_tensors
+
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "m.gguf", [GGMLQuantizationType.Q4_1] * 6 + [GGMLQuantizationType.Q8_0])
+    table = stored_tensors(path)
+    for t in read_gguf(path).tensors:
+        assert table[t.name].kind == t.tensor_type.name and table[t.name].shape == (64, 32)
+        assert np.array_equal(table[t.name].raw(path), np.asarray(t.data).view(np.uint8).reshape(-1))
+    (index,) = (tmp_path / "cache" / "gguf-index").iterdir()
+    assert stored_tensors(path) == table  # read back from the index
+    index.write_text(index.read_text()[:40])  # cut short (a killed write cannot do this: it is atomic)
+    assert stored_tensors(path) == table
+
+
+def test_q4f32_runs_a_gguf_whose_fused_projections_share_one_block_kind(tmp_path, monkeypatch):
+    """A fused projection (q|k|v, gate|up) must be stored in one kind the kernel reads: mixed files (as
+    llama.cpp's K-quant mixes make them) are not offered to `auto`, and `--dtype q4f32` refuses them."""
     from dspark.model.quant import block_weights, runs_as_blocks
 
-    rng = np.random.default_rng(0)
-
-    def write(path, kinds):
-        writer = gguf.GGUFWriter(str(path), "llama")
-        names = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
-        for name, kind in zip(names, kinds):
-            writer.add_tensor(f"blk.0.{name}.weight", quants.quantize(rng.standard_normal((32, 64)).astype(np.float32),
-                                                                       kind), raw_dtype=kind)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        return path
-
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))  # the files' tensor index
     q41, q80 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
-    assert runs_as_blocks(write(tmp_path / "one.gguf", [q41] * 3 + [q80] + [q41] * 3))  # o alone may differ
-    mixed = write(tmp_path / "mixed.gguf", [q41, q41, q80] + [q41] * 4)  # v apart from q and k
+    assert runs_as_blocks(write_gguf(tmp_path / "one.gguf", [q41] * 3 + [q80] + [q41] * 3))  # o alone may differ
+    mixed = write_gguf(tmp_path / "mixed.gguf", [q41, q41, q80] + [q41] * 4)  # v apart from q and k
     assert not runs_as_blocks(mixed)
     with pytest.raises(DsparkError, match="blk.0.attn_v.weight Q8_0: use --dtype float32"):
         block_weights(mixed, SimpleNamespace(layers=[SimpleNamespace(bqkv=None)], fast=False,
