@@ -1,7 +1,8 @@
 // y = x W^T with W held as a GGUF file's blocks of 32 (see block_linear.py for why it exists).
 //
 // Built by PyTorch Inductor's own C++ toolchain (CppPythonBindingsCodeCache: -O3, the CPU's vector ISA
-// flags, -ffp-contract=off, OpenMP). The loader defines BITS (4: Q4_0 / Q4_1, 8: Q8_0) before this file.
+// flags, -ffp-contract=off, OpenMP). The loader defines BITS (4: Q4_0 / Q4_1, 8: Q8_0) and OFFSET (-8 for
+// Q4_0, else 0) before this file.
 //
 // Weight row n, block b holds 32 codes q (4 bits: byte j has element j in its low nibble and j + 16 in
 // its high one; 8 bits: int8) and fp32 d[n, b], m[n, b]: w = (q + OFFSET) * d + m, one rounding per
