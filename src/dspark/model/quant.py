@@ -99,23 +99,16 @@ def _qkv_order(model: TargetModel) -> torch.Tensor:
     return model.interleave_qk_rows(order) if model.fast else order
 
 
-def _gguf_tensors(gguf_path) -> dict:
-    return {t.name: t for t in read_gguf(gguf_path).tensors}
-
-
-def _refuse(mode: str, name: str, kind: str, gguf_path, kinds) -> DsparkError:
-    return DsparkError(f"--dtype {mode} runs {' / '.join(kinds)} GGUF tensors, but {name} in {gguf_path} is {kind}; "
-                       f"use --dtype bfloat16 or float32 for this file")
-
-
 def quantised_weights(gguf_path, model: TargetModel) -> QuantisedWeights:
     """The q4 kernels of `model` (a bf16 `TargetModel` loaded from the same file) from its GGUF blocks."""
-    tensors = _gguf_tensors(gguf_path)
+    tensors = {t.name: t for t in read_gguf(gguf_path).tensors}
 
     def parts(name: str):
         t = tensors[name]
         if t.tensor_type.name not in INT4_TYPES:
-            raise _refuse("q4", name, t.tensor_type.name, gguf_path, INT4_TYPES)
+            raise DsparkError(
+                f"--dtype q4 runs Q4_0 / Q4_1 GGUF tensors, but {name} in {gguf_path} is {t.tensor_type.name}; "
+                f"use --dtype bfloat16 or float32 for this file")
         return int4_parts(t)
 
     order = _qkv_order(model)
