@@ -98,6 +98,32 @@ def test_tree_rows_attend_to_their_context_and_the_nodes_they_see(dtype, heads, 
         da.decode_attention(q, kv, start, count, visible[:, :3])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tree_node_attends_to_the_same_bits_as_its_path_decoded_alone(dtype):
+    """A node off the tree's first branch (its slots are not its positions) computes what the same token
+    computes once its path is accepted and it is decoded as a chain: the same sums in the same order. At
+    temperature 0 tree verification is then exact in a mode whose other kernels are row-invariant (q4f32)."""
+    heads, kv_heads, head_dim, start = 9, 3, 64, 21
+    parents = [-1, 0, 0, 1, 2, 4, 2]  # node 0 the anchor; nodes 2, 4, 5, 6 on later branches
+    g = torch.Generator().manual_seed(5)
+    n = len(parents)
+    q = torch.randn(1, n, heads, head_dim, generator=g).to(dtype)
+    kv = torch.randn(1, 2 * kv_heads, start + n, head_dim, generator=g).to(dtype)
+    visible = torch.zeros(1, n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        visible[0, i, i] = True
+        if p >= 0:
+            visible[0, i] |= visible[0, p]
+    tree = da.decode_attention(q, kv, torch.tensor([start]), torch.tensor([n]), visible)
+    for i in range(n):
+        path = visible[0, i].nonzero().flatten().tolist()  # ancestors and the node, by depth
+        chain_kv = torch.cat([kv[:, :, :start], kv[:, :, [start + j for j in path]]], dim=2)
+        chain_q = torch.zeros(1, len(path), heads, head_dim, dtype=dtype)
+        chain_q[0, -1] = q[0, i]
+        alone = da.decode_attention(chain_q, chain_kv, torch.tensor([start]), torch.tensor([len(path)]))
+        assert torch.equal(alone[0, -1], tree[0, i]), i
+
+
 def test_shapes_it_does_not_run_fall_back():
     assert not da.supports(torch.float16, CPU, 9, 3, 64)
     assert not da.supports(torch.float32, CPU, 18, 2, 64)  # 9 query heads a K/V head

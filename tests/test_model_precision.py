@@ -135,6 +135,30 @@ def test_q4f32_is_the_float32_model_at_the_files_bytes(smollm2_fp32, smollm2_q4f
     assert held < 0.9 * sum(k.out_features * k.in_features for k in kernels)
 
 
+def test_q4f32_computes_a_token_the_same_whatever_tokens_share_its_forward(smollm2_q4f32):
+    """The mode `auto` runs on CPUs without bf16 units is verify-invariant: a token's logits are the same
+    bits in a 1-token forward (plain decoding), in any longer chain and in a token tree whose branches
+    put its path in other slots (verification), so greedy speculation is exact by construction, not by
+    the luck of no near-tie. (SDPA's small GEMMs broke this for lone requests: up to 2e-5 apart.)"""
+    from dspark.draft.tree import DraftTree
+
+    m = smollm2_q4f32.model
+    assert m.row_invariant
+    prompt = smollm2_q4f32.encode_prompt("Write a Python function that checks whether a number is prime.")
+    ext = [28, 339, 1012, 2888, 47, 9, 88, 1000, 5]
+    cache = m.new_cache(1, 256)
+    m(torch.tensor([prompt]), cache)
+    chain = m.logits(m(torch.tensor([ext]), cache).hidden[0])
+    for k in range(1, len(ext)):
+        cache.truncate(len(prompt))
+        assert torch.equal(m.logits(m(torch.tensor([ext[:k]]), cache).hidden[0]), chain[:k]), k
+    # anchor ext[0]; a first branch 77 -> 78, then ext[1] -> ext[2] -> ext[3] in later slots
+    tree = DraftTree([77, ext[1], 78, ext[2], ext[3]], [-1, -1, 0, 1, 3])
+    cache.truncate(len(prompt))
+    out = m.logits(m(torch.tensor([[ext[0], *tree.tokens]]), cache, tree=tree.attention()).hidden[0])
+    assert torch.equal(out[[0, 2, 4, 5]], chain[:4])
+
+
 def write_gguf(path, kinds):
     """A one-layer GGUF of q, k, v, o, gate, up, down projections [32, 64] stored as `kinds`."""
     import gguf

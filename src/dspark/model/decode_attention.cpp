@@ -7,7 +7,9 @@
 // Row b brings count[b] query tokens at positions start[b], start[b] + 1, ...; its token i attends to
 // the row's first start[b] + i + 1 cached positions (its own K/V already written), nothing beyond: the
 // cache past a row's length is never read. A token tree's row (`seen` given) has its nodes' K/V in slots
-// start[b] + j; node i attends to the row's context and to the nodes whose bit j of seen[b, i] is set. Task (b, h) = row b, K/V head h, with the query heads of
+// start[b] + j; node i attends to the row's context and to the nodes whose bit j of seen[b, i] is set (its
+// ancestors and itself), summed as if they followed the context contiguously: exactly what the same token
+// decoded alone, after its path was accepted, computes. Task (b, h) = row b, K/V head h, with the query heads of
 // its group (folded GQA) for each of the row's tokens: M = count * group query vectors. fp32
 // throughout, exp as PyTorch's flash kernel computes it (exp_u20). One pass over K, one over V:
 //   scores s[m][l] = q[m] . k[l] * scale;  p = softmax over l < L_m;  out[m] = sum_l p[m][l] v[l]
@@ -50,14 +52,26 @@ static inline float max_all(Vec v) {
     return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, v);
 }
 
-// scores[g * L + l] = q[g] . K[l] * scale
-static void scores_of(const T* qh, const T* K, int64_t L, int64_t group, float scale, float* scores) {
+// The positions a token attends, in order: the first `context` cached slots, then the `npath` slots in
+// `path` (a tree node's ancestors and itself, by depth). Index l of them lives in slot `slot(l)`, so a tree
+// node sums exactly as the same token decoded alone does over its contiguous positions.
+struct Seen {
+    int64_t context, npath;
+    const int64_t* path;
+    int64_t length() const { return context + npath; }
+    int64_t slot(int64_t l) const { return l < context ? l : path[l - context]; }
+};
+
+// scores[g * L + l] = q[g] . K[slot(l)] * scale
+static void scores_of(const T* qh, const T* K, const Seen& seen, int64_t group, float scale, float* scores) {
+    const int64_t L = seen.length();
     Vec q[MAX_GROUP][C];
     for (int64_t g = 0; g < group; ++g)
         for (int64_t c = 0; c < C; ++c) q[g][c] = load_float(qh + g * D + c * W) * Vec(scale);
     for (int64_t l = 0; l < L; ++l) {
+        const T* kl = K + seen.slot(l) * D;
         Vec k[C];
-        for (int64_t c = 0; c < C; ++c) k[c] = load_float(K + l * D + c * W);
+        for (int64_t c = 0; c < C; ++c) k[c] = load_float(kl + c * W);
         for (int64_t g = 0; g < group; ++g) {
             Vec s = q[g][0] * k[0];
             for (int64_t c = 1; c < C; ++c) s = at::vec::fmadd(q[g][c], k[c], s);
@@ -66,19 +80,13 @@ static void scores_of(const T* qh, const T* K, int64_t L, int64_t group, float s
     }
 }
 
-// s[0..L) -> exp(s - max), returns 1 / their sum; of the last `tail` entries (a tree's nodes), those
-// whose bit of `seen` is clear weigh exactly 0
-static float softmax_in_place(float* s, int64_t L, int64_t tail, uint64_t seen) {
-    const float lowest = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < tail; ++j)
-        if (!((seen >> j) & 1)) s[L - tail + j] = lowest;
-    Vec vmax(lowest);
+// s[0..L) -> exp(s - max), returns 1 / their sum
+static float softmax_in_place(float* s, int64_t L) {
+    Vec vmax(-std::numeric_limits<float>::infinity());
     int64_t l = 0;
     for (; l + W <= L; l += W) vmax = at::vec::maximum(vmax, Vec::loadu(s + l));
     float m = max_all(vmax);
     for (; l < L; ++l) m = std::max(m, s[l]);
-    for (int64_t j = 0; j < tail; ++j)  // finite for exp_u20, far below the maximum; zeroed below
-        if (!((seen >> j) & 1)) s[L - tail + j] = m - 1000.f;
     Vec vsum(0.f);
     for (l = 0; l + W <= L; l += W) {
         Vec e = (Vec::loadu(s + l) - Vec(m)).exp_u20();
@@ -90,25 +98,20 @@ static float softmax_in_place(float* s, int64_t L, int64_t tail, uint64_t seen) 
         s[l] = std::exp(s[l] - m);
         sum += s[l];
     }
-    for (int64_t j = 0; j < tail; ++j) {
-        if (!((seen >> j) & 1)) {
-            sum -= s[L - tail + j];
-            s[L - tail + j] = 0.f;
-        }
-    }
     return 1.f / sum;
 }
 
-// out[g] = sum_l p[g][l] V[l] / sum_l p[g][l], over the positions seen (a tree's unseen nodes' V unread)
-static void weighted_values(const float* p, const float* inv_sum, const T* V, int64_t L, int64_t tail,
-                            uint64_t seen, int64_t group, T* oh) {
+// out[g] = sum_l p[g][l] V[slot(l)] / sum_l p[g][l]
+static void weighted_values(const float* p, const float* inv_sum, const T* V, const Seen& seen, int64_t group,
+                            T* oh) {
+    const int64_t L = seen.length();
     Vec acc[MAX_GROUP][C];
     for (int64_t g = 0; g < group; ++g)
         for (int64_t c = 0; c < C; ++c) acc[g][c] = Vec(0.f);
     for (int64_t l = 0; l < L; ++l) {
-        if (l >= L - tail && !((seen >> (l - L + tail)) & 1)) continue;
+        const T* vl = V + seen.slot(l) * D;
         Vec v[C];
-        for (int64_t c = 0; c < C; ++c) v[c] = load_float(V + l * D + c * W);
+        for (int64_t c = 0; c < C; ++c) v[c] = load_float(vl + c * W);
         for (int64_t g = 0; g < group; ++g) {
             Vec pg(p[g * L + l]);
             for (int64_t c = 0; c < C; ++c) acc[g][c] = at::vec::fmadd(pg, v[c], acc[g][c]);
@@ -118,15 +121,15 @@ static void weighted_values(const float* p, const float* inv_sum, const T* V, in
         for (int64_t c = 0; c < C; ++c) store(acc[g][c] * Vec(inv_sum[g]), oh + g * D + c * W);
 }
 
-// One token's group of query heads attending to the first L positions of one K/V head (of the last
-// `tail`, those `seen` marks).
-static void attend(const T* qh, const T* K, const T* V, T* oh, int64_t L, int64_t tail, uint64_t seen,
-                   int64_t group, float scale, std::vector<float>& scores) {
+// One token's group of query heads attending to the positions `seen` lists of one K/V head.
+static void attend(const T* qh, const T* K, const T* V, T* oh, const Seen& seen, int64_t group, float scale,
+                   std::vector<float>& scores) {
     float inv_sum[MAX_GROUP];
+    const int64_t L = seen.length();
     scores.resize(group * L);
-    scores_of(qh, K, L, group, scale, scores.data());
-    for (int64_t g = 0; g < group; ++g) inv_sum[g] = softmax_in_place(scores.data() + g * L, L, tail, seen);
-    weighted_values(scores.data(), inv_sum, V, L, tail, seen, group, oh);
+    scores_of(qh, K, seen, group, scale, scores.data());
+    for (int64_t g = 0; g < group; ++g) inv_sum[g] = softmax_in_place(scores.data() + g * L, L);
+    weighted_values(scores.data(), inv_sum, V, seen, group, oh);
 }
 
 // q, out [B, Q, nkv * group, D] contiguous: row b's count[b] <= Q tokens first (the rest's outputs are
@@ -147,12 +150,12 @@ extern "C" void kernel(const T* q, const T* kv, const int64_t* start, const int6
             for (int64_t i = 0; i < Q; ++i) {
                 const int64_t offset = ((b * Q + i) * heads + h * group) * D;
                 if (i < count[b]) {
-                    if (tree) {
-                        attend(q + offset, K, V, out + offset, start[b] + count[b], count[b],
-                               static_cast<uint64_t>(seen[b * Q + i]), group, scale, scores);
-                    } else {
-                        attend(q + offset, K, V, out + offset, start[b] + i + 1, 0, 0, group, scale, scores);
-                    }
+                    int64_t path[64], npath = 0;  // a tree node's visible nodes' slots, in node order
+                    if (tree)
+                        for (int64_t j = 0; j < count[b]; ++j)
+                            if ((static_cast<uint64_t>(seen[b * Q + i]) >> j) & 1) path[npath++] = start[b] + j;
+                    const Seen positions{tree ? start[b] : start[b] + i + 1, npath, path};
+                    attend(q + offset, K, V, out + offset, positions, group, scale, scores);
                 } else {
                     std::fill(out + offset, out + offset + group * D, T(0));
                 }

@@ -177,4 +177,5 @@ def block_weights(gguf_path, model: TargetModel) -> QuantisedWeights:
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     # an F16 / BF16 / F32 head: the plain weight the model already holds
     lm_head = kernel([head]) if _block_kind(tensors, [head]) else dense_kernel(model.lm_head)
-    return QuantisedWeights(layers=layers, lm_head=lm_head, precision="q4f32")
+    # the block kernel's rows are row-invariant, but a dense head's oneDNN product is not
+    return QuantisedWeights(layers=layers, lm_head=lm_head, precision="q4f32", row_invariant=isinstance(lm_head, BlockLinear))

@@ -151,6 +151,8 @@ class TargetModel(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         self.register_buffer("_eps", torch.tensor(c.rms_norm_eps, dtype=torch.float32), persistent=False)
         self.precision = "float32" if dtype == torch.float32 else "bfloat16"
+        # every op computes a token the same bits whatever tokens share its forward (`_attention_of`)
+        self.row_invariant = False
         self._kernels: list[LayerKernels] | None = None  # set by `prepare`
         self._lm_head_kernel = None
         self.compiled = None  # a compiled.CompiledRunner, set by load_target where one is built
@@ -227,6 +229,7 @@ class TargetModel(nn.Module):
         if quantised is not None:
             self._lm_head_kernel = quantised.lm_head
             self.precision = quantised.precision
+            self.row_invariant = quantised.row_invariant
         else:
             self._lm_head_kernel = make(self.lm_head)
 
@@ -313,13 +316,16 @@ class TargetModel(nn.Module):
         [B, 2 * nkv, kv_len, d]) -> [B, nh, q, d]. The engine's decode and verify steps (rows of up to
         MAX_QUERIES tokens, chains or token trees) run the ragged decode kernel; without it, one-token
         rows whose lengths spread attend a row at a time; else one SDPA call, masked unless a lone row
-        attends to all it has."""
+        attends to all it has. With row-invariant projections a lone request's decode-shaped forwards run
+        the decode kernel too: it computes a token the same whatever tokens share the call, where SDPA's
+        small GEMMs sum in another order for 1 and for 9 query tokens (measured on q4f32 SmolLM2: up to
+        2e-5 apart), and plain decoding and verification must agree to the bit."""
         c = self.cfg
         nkv, B, q = c.num_key_value_heads, tokens.B, tokens.q
-        if B > 1 and q <= decode_attention.MAX_QUERIES and (tree is None or tree[1].ndim == 3):
+        visible = None if tree is None else tree[1] if tree[1].ndim == 3 else tree[1][None]
+        if (B > 1 or self.row_invariant) and q <= decode_attention.MAX_QUERIES and (tree is None or B == len(visible)):
             if decode_attention.supports(self.dtype, self.device, c.num_attention_heads, nkv, c.head_dim):
-                rows = decode_attention.checked_rows(start, end - start, q, kv_len,  # once, not per layer
-                                                     None if tree is None else tree[1])
+                rows = decode_attention.checked_rows(start, end - start, q, kv_len, visible)  # once, not per layer
                 return lambda qs, kv: decode_attention.run(qs.transpose(1, 2), kv, *rows).transpose(1, 2)
             if tree is None and q == 1 and (row_lengths := one_token_row_lengths(start, end)):
                 return lambda qs, kv: attention_per_row(qs, kv[:, :nkv], kv[:, nkv:], row_lengths)
@@ -485,3 +491,4 @@ class QuantisedWeights:
     layers: list[tuple[object, object, object, object]]
     lm_head: object
     precision: str
+    row_invariant: bool = False  # the kernels compute a row the same bits whatever rows share the call
