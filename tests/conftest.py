@@ -22,11 +22,19 @@ def smollm2_fp32():
 
 @pytest.fixture(scope="session")
 def smollm2_q4f32():
-    """The real embedded target in q4f32: its GGUF blocks as stored, fp32 activations (--dtype auto on CPUs
-    without bf16 units)."""
+    """The real embedded target in q4f32: its GGUF blocks as stored, fp32 activations (float32's weights)."""
     from dspark.model.loading import load_target
 
     return load_target(None, dtype="q4f32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_q4q8():
+    """The real embedded target in q4q8: its GGUF blocks as stored, activations quantised to 8 bits as
+    llama.cpp does (--dtype auto on CPUs without bf16 units)."""
+    from dspark.model.loading import load_target
+
+    return load_target(None, dtype="q4q8")
 
 
 @pytest.fixture(scope="session")

@@ -102,7 +102,7 @@ def test_tree_rows_attend_to_their_context_and_the_nodes_they_see(dtype, heads, 
 def test_a_tree_node_attends_to_the_same_bits_as_its_path_decoded_alone(dtype):
     """A node off the tree's first branch (its slots are not its positions) computes what the same token
     computes once its path is accepted and it is decoded as a chain: the same sums in the same order. At
-    temperature 0 tree verification is then exact in a mode whose other kernels are row-invariant (q4f32)."""
+    temperature 0 tree verification is then exact in a mode whose other kernels are row-invariant (q4f32, q4q8)."""
     heads, kv_heads, head_dim, start = 9, 3, 64, 21
     parents = [-1, 0, 0, 1, 2, 4, 2]  # node 0 the anchor; nodes 2, 4, 5, 6 on later branches
     g = torch.Generator().manual_seed(5)

@@ -43,12 +43,13 @@ def target_args(p: argparse.ArgumentParser, dtype: bool = True, threads: bool = 
     p.add_argument("--model", default=None, help="target: HF model directory or .gguf file (default: embedded SmolLM2)")
     if dtype:
         p.add_argument("--dtype", default="auto", help=(
-            "float32 | bfloat16 | q4 | q4f32 | int8 | auto (default). auto: bfloat16 on CPUs with bf16 matrix "
-            "units (AMX / AVX512-BF16) and on GPUs; elsewhere q4f32 for a GGUF of Q4 / Q8_0 blocks, else "
-            "float32. q4: a GGUF file's Q4_0 / Q4_1 weights run as stored by int4 kernels, bf16 activations "
-            "(CPU): fast plain decoding, but multi-token verification costs more. q4f32: the GGUF's blocks as "
-            "stored with fp32 activations (CPU; float32's weights at the file's bytes, token-identical "
-            "speculation). "
+            "float32 | bfloat16 | q4 | q4f32 | q4q8 | int8 | auto (default). auto: bfloat16 on CPUs with bf16 "
+            "matrix units (AMX / AVX512-BF16) and on GPUs; elsewhere q4q8 for a GGUF of Q4 / Q8_0 blocks (q4f32 "
+            "where its kernel does not build), else float32. q4: a GGUF file's Q4_0 / Q4_1 weights run as stored "
+            "by int4 kernels, bf16 activations (CPU): fast plain decoding, but multi-token verification costs "
+            "more. q4f32: the GGUF's blocks as stored with fp32 activations (CPU; float32's weights at the "
+            "file's bytes). q4q8: the same blocks times activations quantised to 8 bits as llama.cpp does (AVX2 "
+            "CPU; faster, llama.cpp's numerics). Speculation is token-identical to plain decoding in both. "
             "int8: the compiled runner with int8 weight-only projections (build it with `dspark compile "
             "--dtype int8`)"))
         p.add_argument("--runner", default="auto", choices=("auto", "compiled", "eager"), help=(

@@ -59,10 +59,10 @@ class Decoder:
         bad = [t for t in taps if not -1 <= t < target.cfg.num_hidden_layers]  # -1: the embedding output
         if bad:
             raise DsparkError(f"drafter taps layers {bad}, but the target has {target.cfg.num_hidden_layers} layers")
-        limit = target.model.verify_limit  # a compiled runner's exact rows: verify no more a forward
+        limit = target.model.verify_limit  # the tokens a forward verifies exactly in this mode: no more
         if limit is not None and self.policy.tree_nodes >= limit:
             raise DsparkError(f"a tree of {self.policy.tree_nodes} drafts needs {self.policy.tree_nodes + 1}-token forwards, "
-                              f"and this target verifies at most {limit} tokens a forward exactly (its compiled runner)")
+                              f"and this target verifies at most {limit} tokens a forward exactly in {target.model.precision}")
         self.most_drafts = limit - 1 if limit is not None else None
         self.step = DecodeStep(target.model, PerRequestDrafters(lambda: drafter) if drafter else None, self.policy)
 

@@ -203,7 +203,7 @@ def engine_factory(target: Target, drafter_spec: str | None, max_len: int | None
 
 
 def limited_policy(target: Target, rule: str, sps: SPSTable | None, max_drafts: int) -> Policy:
-    """`parse_policy(rule, sps)` within the target's `verify_limit` (a compiled runner's exact rows): the
+    """`parse_policy(rule, sps)` within the target's `verify_limit` (what it verifies exactly a forward): the
     hardware's curve cut there, so that its rules never verify past it, and a fixed-size rule that can
     verify more tokens a forward (with `max_drafts` drafts a round) refused, saying what fits."""
     limit = target.model.verify_limit
@@ -213,11 +213,13 @@ def limited_policy(target: Target, rule: str, sps: SPSTable | None, max_drafts: 
         return parse_policy(rule, SPSTable(sps.values[:limit]))
     drafts = _most_drafts(rule, max_drafts)
     if 1 + drafts > limit:
-        instead = "--dtype bfloat16" if target.model.precision == "int8" else "--runner eager"
-        raise DsparkError(f"the compiled {target.model.precision} runner verifies at most {limit} tokens a forward exactly "
-                          f"(`dspark compile` measured it on this CPU), and {rule} with this drafter verifies up to "
-                          f"{1 + drafts}: use tree:{limit - 1}, fixed:{limit - 1}, --num-draft-tokens {limit - 1} or "
-                          f"the hardware's rules (tree, dspark), or {instead}")
+        precision = target.model.precision
+        why, instead = (("`dspark compile` measured its compiled runner on this CPU",
+                         "--dtype bfloat16" if precision == "int8" else "--runner eager") if target.model.compiled
+                        else ("its decode-attention kernel's token trees", "--dtype float32"))
+        raise DsparkError(f"{precision} verifies at most {limit} tokens a forward exactly ({why}), and {rule} with this "
+                          f"drafter verifies up to {1 + drafts}: use tree:{limit - 1}, fixed:{limit - 1}, "
+                          f"--num-draft-tokens {limit - 1} or the hardware's rules (tree, dspark), or {instead}")
     return parse_policy(rule)
 
 

@@ -14,7 +14,7 @@ from dspark.errors import DsparkError
 from dspark.model.config import TargetConfig
 from dspark.model.gguf_file import gguf_to_hf_dir
 from dspark.model.kernels import cpu_has_native_bf16
-from dspark.model.quant import block_weights, quantised_weights, runs_as_blocks
+from dspark.model.quant import BLOCK_ACTIVATIONS, block_weights, quantised_weights, runs_as_blocks
 from dspark.model.target import Target
 from dspark.model.transformer import TargetModel
 
@@ -22,8 +22,10 @@ DEFAULT_MODEL = "smollm2"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 RUNNERS = ("auto", "compiled", "eager")
 QUANTISED = "q4"  # the GGUF's Q4_0 / Q4_1 layer weights run as stored (int4 kernels), bf16 activations
-BLOCKS = "q4f32"  # the GGUF's Q4_0 / Q4_1 / Q8_0 blocks as stored, fp32 activations (block_linear.py)
-GGUF_MODES = (QUANTISED, BLOCKS)
+# the GGUF's Q4_0 / Q4_1 / Q8_0 blocks as stored (block_linear.py): q4f32 with fp32 activations, q4q8 with
+# activations quantised to 8 bits per block as llama.cpp does
+BLOCK_MODES = tuple(BLOCK_ACTIVATIONS)
+GGUF_MODES = (QUANTISED, *BLOCK_MODES)
 INT8 = "int8"  # int8 weight-only projections in the compiled runner (model/compiled.py), bf16 activations
 
 
@@ -36,16 +38,17 @@ def default_dtype() -> torch.dtype:
 
 def auto_dtype(spec: str | os.PathLike | None) -> torch.dtype | str:
     """--dtype auto for the target `spec` names: `default_dtype`, except that a GGUF file on a CPU without
-    bf16 units runs q4f32 where its projections are all blocks that mode reads (the float32 model's
-    weights at the file's bytes: a ~1.4x faster one-token step than float32 on an AVX2-only EPYC)."""
+    bf16 units runs as its blocks where its projections are all blocks those modes read: q4q8 where its
+    kernel builds (the DSpark default ~1.1x, plain decoding ~1.55x q4f32's speed on an AVX2-only EPYC),
+    else q4f32 (float32's weights at the file's bytes: a ~1.4x faster one-token step than float32)."""
     dtype = default_dtype()
-    if dtype == torch.float32 and (gguf := gguf_file_of(spec)) is not None and runs_as_blocks(gguf):
-        return BLOCKS
+    if dtype == torch.float32 and (gguf := gguf_file_of(spec)) is not None:
+        return next((mode for mode in ("q4q8", "q4f32") if runs_as_blocks(gguf, mode)), dtype)
     return dtype
 
 
 def parse_dtype(name: str, quantised: bool = True, spec: str | os.PathLike | None = None) -> torch.dtype | str:
-    """A --dtype value: a torch dtype, or "q4" / "q4f32" / "int8" where the target is run (`quantised`);
+    """A --dtype value: a torch dtype, or "q4" / "q4f32" / "q4q8" / "int8" where the target is run (`quantised`);
     auto as `auto_dtype` picks it for the target `spec` names (`default_dtype` where not `quantised`)."""
     if name == "auto":
         return auto_dtype(spec) if quantised else default_dtype()
@@ -60,7 +63,8 @@ def parse_dtype(name: str, quantised: bool = True, spec: str | os.PathLike | Non
 
 def dtype_key(model: TargetModel) -> str:
     """The precision a results journal records ("torch.float32" / "torch.bfloat16", as journals before
-    the q4 mode wrote it, or "q4" / "q4f32" / "int8"), so that a rerun resumes only what ran in the same mode."""
+    the q4 mode wrote it, or "q4" / "q4f32" / "q4q8" / "int8"), so that a rerun resumes only what ran in the same
+    mode."""
     return model.precision if model.precision in (*GGUF_MODES, INT8) else str(model.dtype)
 
 
@@ -73,7 +77,7 @@ def gguf_file_of(spec: str | os.PathLike | None) -> Path | None:
 
 
 def gguf_source(spec: str | os.PathLike | None, mode: str) -> Path:
-    """The GGUF file behind a --model value (the q4 / q4f32 modes read its quantised blocks)."""
+    """The GGUF file behind a --model value (the q4 / q4f32 / q4q8 modes read its quantised blocks)."""
     if (path := gguf_file_of(spec)) is not None:
         return path
     raise DsparkError(f"--dtype {mode} runs a GGUF file's quantised weights, and {spec} is not a .gguf file; "
@@ -140,7 +144,8 @@ def load_target(
     runner: str = "auto",
 ) -> Target:
     """`dtype`: a torch dtype, a --dtype name, "q4" (a GGUF's int4 blocks as stored, bf16 activations;
-    CPU only), "q4f32" (the GGUF's blocks as stored, fp32 activations: block_linear.py; CPU only) or
+    CPU only), "q4f32" / "q4q8" (the GGUF's blocks as stored, fp32 / 8-bit activations: block_linear.py; CPU
+    only) or
     "int8" (the compiled runner's int8 weight-only projections; bf16 eager for what it does not run).
     `runner`: "auto" (the compiled runner where `dspark compile` built one for this model, CPU and
     threads, in bf16, unless it measured it slower than eager there; else eager), "compiled" (an error without one) or "eager"."""
@@ -150,14 +155,14 @@ def load_target(
         dtype = parse_dtype(dtype, spec=spec)
     model_dir = resolve_model_dir(spec)
     cfg = load_target_config(model_dir)
-    quantised, blocks, int8 = dtype == QUANTISED, dtype == BLOCKS, dtype == INT8
+    quantised, blocks, int8 = dtype == QUANTISED, dtype in BLOCK_MODES, dtype == INT8
     if (quantised or blocks or int8) and torch.cuda.is_available():
         raise DsparkError(f"--dtype {dtype} runs on the CPU only; use --dtype bfloat16 on a GPU")
     if int8 and runner == "eager":
         raise DsparkError("--dtype int8 runs on the compiled runner only; drop --runner eager")
     if blocks and runner == "compiled":
-        raise DsparkError("--dtype q4f32 (auto's pick for a GGUF on a CPU without bf16 units) runs its own kernel, "
-                          "not the compiled runner; drop --runner compiled, or use --dtype bfloat16 with it")
+        raise DsparkError(f"--dtype {dtype} (a block mode auto picks for a GGUF on a CPU without bf16 units) runs "
+                          "its own kernel, not the compiled runner; drop --runner compiled, or use --dtype bfloat16 with it")
     gguf = gguf_source(spec, dtype) if quantised or blocks else None
     model = TargetModel(cfg, dtype=torch.bfloat16 if quantised or int8 else torch.float32 if blocks else dtype)
     model.load_hf_state_dict(read_state_dict(model_dir))
@@ -165,7 +170,7 @@ def load_target(
     if quantised:
         model.prepare(quantised=quantised_weights(gguf, model))
     elif blocks:
-        model.prepare(quantised=block_weights(gguf, model))
+        model.prepare(quantised=block_weights(gguf, model, dtype))
     else:
         model.prepare(pack=pack)
     if runner != "eager":

@@ -1,7 +1,8 @@
-"""GGUF's quantised blocks, read as they are stored, for the `q4` and `q4f32` precision modes.
+"""GGUF's quantised blocks, read as they are stored, for the `q4`, `q4f32` and `q4q8` precision modes.
 
-q4f32 keeps every block as the file stores it (`BlockLinear`, fp32 activations): the float32 mode's
-weights at the file's bytes. q4 turns them into PyTorch's int4 kernels (bf16 activations):
+q4f32 and q4q8 keep every block as the file stores it (`BlockLinear`): q4f32 multiplies the float32
+mode's weights with fp32 activations, q4q8 takes integer dot products with activations quantised to 8
+bits as llama.cpp does (`BLOCK_ACTIVATIONS`). q4 turns them into PyTorch's int4 kernels (bf16 activations):
 
 Q4_0 (w = d * (q - 8)) and Q4_1 (w = d * q + m) blocks of 32 become `Int4` kernels with group 32
 (scale d, zero m + 8d; d and m are fp16 in the file and bf16 in the kernel, the one rounding this
@@ -25,6 +26,7 @@ from dspark.model.transformer import QuantisedWeights, TargetModel
 
 BLOCK = 32
 INT4_TYPES = ("Q4_0", "Q4_1")
+BLOCK_ACTIVATIONS = {"q4f32": "f32", "q4q8": "q8"}  # the block modes and how each multiplies (block_linear.py)
 
 
 def _blocks(t, bytes_per_block: int) -> np.ndarray:
@@ -145,31 +147,35 @@ def _block_kind(tensors: dict, names: list[str]) -> str | None:
     return kinds.pop() if len(kinds) == 1 and kinds <= set(block_linear.OFFSET) else None
 
 
-def runs_as_blocks(gguf_path) -> bool:
-    """Whether the q4f32 mode runs this GGUF file: each fused projection stored in one kind of block its
-    kernel reads, and the kernel builds here."""
+def runs_as_blocks(gguf_path, precision: str = "q4f32") -> bool:
+    """Whether the block mode `precision` runs this GGUF file: each fused projection stored in one kind of
+    block its kernel reads, and the kernel builds here."""
     tensors = stored_tensors(gguf_path)
     kinds = [_block_kind(tensors, names) for layer in _layer_groups(tensors) for names in layer]
-    return None not in kinds and all(block_linear.built(kind) for kind in set(kinds))
+    activations = BLOCK_ACTIVATIONS[precision]
+    return None not in kinds and all(block_linear.built(kind, activations) for kind in set(kinds))
 
 
-def block_weights(gguf_path, model: TargetModel) -> QuantisedWeights:
-    """The q4f32 kernels of `model` (a float32 `TargetModel` loaded from the same file): each projection's
-    GGUF blocks as stored (Q4_0 / Q4_1 / Q8_0, one kind for the tensors of a fused projection)."""
+def block_weights(gguf_path, model: TargetModel, precision: str = "q4f32") -> QuantisedWeights:
+    """The `precision` mode's kernels (q4f32 / q4q8) of `model` (a float32 `TargetModel` loaded from the same
+    file): each projection's GGUF blocks as stored (Q4_0 / Q4_1 / Q8_0, one kind for the tensors of a
+    fused projection)."""
     tensors = stored_tensors(gguf_path)
+    activations = BLOCK_ACTIVATIONS[precision]
 
     def kernel(names: list[str], order: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> BlockLinear:
         kind = _block_kind(tensors, names)
         if kind is None:
             stored = ", ".join(f"{n} {tensors[n].kind}" for n in names)
-            raise DsparkError(f"--dtype q4f32 runs {' / '.join(block_linear.OFFSET)} GGUF tensors, one kind for the "
-                              f"parts of a fused projection; {gguf_path} stores {stored}: use --dtype float32")
-        if not block_linear.built(kind):
-            raise DsparkError("--dtype q4f32 needs its C++ kernel, which could not be built here (see the warning "
-                              "above: a C++ compiler such as g++ is required); use --dtype float32")
+            raise DsparkError(f"--dtype {precision} runs {' / '.join(block_linear.OFFSET)} GGUF tensors, one kind "
+                              f"for the parts of a fused projection; {gguf_path} stores {stored}: use --dtype float32")
+        if not block_linear.built(kind, activations):
+            raise DsparkError(f"--dtype {precision} needs its C++ kernel, which could not be built here (see the "
+                              "warning above: a C++ compiler such as g++ is required, and for q4q8 an AVX2 CPU); "
+                              "use --dtype float32")
         rows = np.concatenate([tensors[n].raw(gguf_path).reshape(tensors[n].shape[1], -1, block_linear.BYTES[kind])
                                for n in names])
-        return BlockLinear(kind, rows if order is None else rows[order.numpy()], bias)
+        return BlockLinear(kind, rows if order is None else rows[order.numpy()], bias, activations)
 
     order = _qkv_order(model)
     layers = [(kernel(qkv, order, None if layer.bqkv is None else layer.bqkv.detach()), kernel(o), kernel(gate_up),
@@ -177,5 +183,6 @@ def block_weights(gguf_path, model: TargetModel) -> QuantisedWeights:
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     # an F16 / BF16 / F32 head: the plain weight the model already holds
     lm_head = kernel([head]) if _block_kind(tensors, [head]) else dense_kernel(model.lm_head)
-    # the block kernel's rows are row-invariant, but a dense head's oneDNN product is not
-    return QuantisedWeights(layers=layers, lm_head=lm_head, precision="q4f32", row_invariant=isinstance(lm_head, BlockLinear))
+    # the block kernels are row-invariant, but a dense head's oneDNN product is not
+    return QuantisedWeights(layers=layers, lm_head=lm_head, precision=precision,
+                            row_invariant=isinstance(lm_head, BlockLinear))

@@ -199,7 +199,7 @@ class TargetModel(nn.Module):
     def prepare(self, pack: bool = True, quantised: QuantisedWeights | None = None) -> None:
         """Build each projection's kernel once (see kernels.py) and drop the plain copies they replace.
 
-        `pack`: oneDNN-prepacked weights where they are faster (CPU). `quantised`: the q4 / q4f32 modes'
+        `pack`: oneDNN-prepacked weights where they are faster (CPU). `quantised`: the q4 / q4f32 / q4q8 modes'
         kernels (layers and LM head), built from a GGUF file by `quant.py`."""
         if self._kernels is not None:
             raise RuntimeError("TargetModel.prepare runs once")
@@ -239,8 +239,11 @@ class TargetModel(nn.Module):
         runner, the leading rows of its calls that compute a token exactly as a 1-token call does
         (`exact_rows`: all `rows`, or one fewer on an AVX2-only CPU): a longer forward would run the eager
         model (for int8, the bf16 one) or rows that round differently, and a speculative output would then
-        differ from plain decoding in this mode."""
-        return self.compiled.exact_rows if self.compiled is not None else None
+        differ from plain decoding in this mode. With row-invariant kernels (q4f32, q4q8), what the decode
+        kernel runs: a longer forward would attend through SDPA (`_attention_of`)."""
+        if self.compiled is not None:
+            return self.compiled.exact_rows
+        return decode_attention.MAX_TREE_NODES if self.row_invariant else None
 
     @property
     def packed(self) -> bool:
@@ -316,14 +319,15 @@ class TargetModel(nn.Module):
         [B, 2 * nkv, kv_len, d]) -> [B, nh, q, d]. The engine's decode and verify steps (rows of up to
         MAX_QUERIES tokens, chains or token trees) run the ragged decode kernel; without it, one-token
         rows whose lengths spread attend a row at a time; else one SDPA call, masked unless a lone row
-        attends to all it has. With row-invariant projections a lone request's decode-shaped forwards run
-        the decode kernel too: it computes a token the same whatever tokens share the call, where SDPA's
+        attends to all it has. With row-invariant projections a lone request's forwards of up to
+        MAX_TREE_NODES tokens (its `verify_limit`) run the decode kernel too: it computes a token the same whatever tokens share the call, where SDPA's
         small GEMMs sum in another order for 1 and for 9 query tokens (measured on q4f32 SmolLM2: up to
         2e-5 apart), and plain decoding and verification must agree to the bit."""
         c = self.cfg
         nkv, B, q = c.num_key_value_heads, tokens.B, tokens.q
         visible = None if tree is None else tree[1] if tree[1].ndim == 3 else tree[1][None]
-        if (B > 1 or self.row_invariant) and q <= decode_attention.MAX_QUERIES and (tree is None or B == len(visible)):
+        most = decode_attention.MAX_TREE_NODES if self.row_invariant else decode_attention.MAX_QUERIES
+        if (B > 1 or self.row_invariant) and q <= most and (tree is None or B == len(visible)):
             if decode_attention.supports(self.dtype, self.device, c.num_attention_heads, nkv, c.head_dim):
                 rows = decode_attention.checked_rows(start, end - start, q, kv_len, visible)  # once, not per layer
                 return lambda qs, kv: decode_attention.run(qs.transpose(1, 2), kv, *rows).transpose(1, 2)
