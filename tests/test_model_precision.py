@@ -86,7 +86,7 @@ def test_block_kernel_multiplies_the_stored_weights_the_same_for_any_rows(qtype)
 def llama_cpp_product(x: torch.Tensor, kernel: BlockLinear) -> torch.Tensor:
     """What the q4q8 kernel computes, in float64: each row's blocks of 32 quantised as llama.cpp's
     quantize_row_q8 does (d = max |x| / 127, codes rounded to nearest even), times the stored codes."""
-    m, k = x.shape
+    m = x.shape[0]
     xb = x.view(m, -1, 32)
     dx = xb.abs().amax(-1) / 127  # fp32, as the kernel divides
     inv = torch.where(dx != 0, 1 / dx, torch.zeros_like(dx))
@@ -203,6 +203,14 @@ def test_block_modes_compute_a_token_the_same_whatever_tokens_share_its_forward(
     out = m.logits(m(torch.tensor([[ext[0], *tree.tokens]]), cache, tree=tree.attention()).hidden[0])
     assert torch.equal(out[[0, 18, 19, 20]], chain[:4])
     assert m.verify_limit == decode_attention.MAX_TREE_NODES  # longer forwards attend through SDPA
+
+
+def test_block_modes_without_the_decode_kernel_claim_no_invariance(monkeypatch):
+    """Switched off (or not built), the decode kernel leaves attention to SDPA: the mode then promises no
+    more than the eager modes (no exact verify limit; greedy identity only up to near-ties)."""
+    monkeypatch.setenv("DSPARK_DECODE_KERNEL", "0")
+    m = load_target(None, dtype="q4f32").model
+    assert not m.row_invariant and m.verify_limit is None
 
 
 def test_q4q8_is_llama_cpps_arithmetic_close_to_the_exact_model(smollm2_fp32, smollm2_q4q8):

@@ -39,7 +39,7 @@ def default_dtype() -> torch.dtype:
 def auto_dtype(spec: str | os.PathLike | None) -> torch.dtype | str:
     """--dtype auto for the target `spec` names: `default_dtype`, except that a GGUF file on a CPU without
     bf16 units runs as its blocks where its projections are all blocks those modes read: q4q8 where its
-    kernel builds (the DSpark default ~1.1x, plain decoding ~1.55x q4f32's speed on an AVX2-only EPYC),
+    kernel builds (the DSpark default 1.17x, plain decoding 1.61x q4f32's speed on an AVX2-only EPYC),
     else q4f32 (float32's weights at the file's bytes: a ~1.4x faster one-token step than float32)."""
     dtype = default_dtype()
     if dtype == torch.float32 and (gguf := gguf_file_of(spec)) is not None:
@@ -144,9 +144,8 @@ def load_target(
     runner: str = "auto",
 ) -> Target:
     """`dtype`: a torch dtype, a --dtype name, "q4" (a GGUF's int4 blocks as stored, bf16 activations;
-    CPU only), "q4f32" / "q4q8" (the GGUF's blocks as stored, fp32 / 8-bit activations: block_linear.py; CPU
-    only) or
-    "int8" (the compiled runner's int8 weight-only projections; bf16 eager for what it does not run).
+    CPU only), "q4f32" / "q4q8" (the GGUF's blocks as stored, fp32 / 8-bit activations: block_linear.py;
+    CPU only) or "int8" (the compiled runner's int8 weight-only projections; bf16 eager for what it does not run).
     `runner`: "auto" (the compiled runner where `dspark compile` built one for this model, CPU and
     threads, in bf16, unless it measured it slower than eager there; else eager), "compiled" (an error without one) or "eager"."""
     if runner not in RUNNERS:

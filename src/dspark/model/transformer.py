@@ -151,7 +151,7 @@ class TargetModel(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         self.register_buffer("_eps", torch.tensor(c.rms_norm_eps, dtype=torch.float32), persistent=False)
         self.precision = "float32" if dtype == torch.float32 else "bfloat16"
-        # every op computes a token the same bits whatever tokens share its forward (`_attention_of`)
+        # every op computes a token the same bits whatever tokens share its forward (set by `prepare`)
         self.row_invariant = False
         self._kernels: list[LayerKernels] | None = None  # set by `prepare`
         self._lm_head_kernel = None
@@ -229,7 +229,9 @@ class TargetModel(nn.Module):
         if quantised is not None:
             self._lm_head_kernel = quantised.lm_head
             self.precision = quantised.precision
-            self.row_invariant = quantised.row_invariant
+            # and attention too: through the decode kernel (`_attention_of`), where it runs
+            self.row_invariant = quantised.row_invariant and decode_attention.supports(
+                self.dtype, self.device, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
         else:
             self._lm_head_kernel = make(self.lm_head)
 
@@ -320,9 +322,10 @@ class TargetModel(nn.Module):
         MAX_QUERIES tokens, chains or token trees) run the ragged decode kernel; without it, one-token
         rows whose lengths spread attend a row at a time; else one SDPA call, masked unless a lone row
         attends to all it has. With row-invariant projections a lone request's forwards of up to
-        MAX_TREE_NODES tokens (its `verify_limit`) run the decode kernel too: it computes a token the same whatever tokens share the call, where SDPA's
-        small GEMMs sum in another order for 1 and for 9 query tokens (measured on q4f32 SmolLM2: up to
-        2e-5 apart), and plain decoding and verification must agree to the bit."""
+        MAX_TREE_NODES tokens (its `verify_limit`) run the decode kernel too: it computes a token the same
+        whatever tokens share the call, where SDPA's small GEMMs sum in another order for 1 and for 9 query
+        tokens (measured on q4f32 SmolLM2: up to 2e-5 apart), and plain decoding and verification must
+        agree to the bit."""
         c = self.cfg
         nkv, B, q = c.num_key_value_heads, tokens.B, tokens.q
         visible = None if tree is None else tree[1] if tree[1].ndim == 3 else tree[1][None]
