@@ -36,7 +36,7 @@ from dspark.decode.speculation import load_speculation
 from dspark.eval.llama_cpp import LlamaCppDecoder, bf16_gguf
 from dspark.eval.prompts import load_eval_prompts
 from dspark.model.compiled import ROWS
-from dspark.model.loading import embedded_gguf_path, load_target, parse_dtype
+from dspark.model.loading import BLOCK_MODES, embedded_gguf_path, load_target, parse_dtype
 from dspark.util.platform import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,7 +174,6 @@ def plot(report: dict, path: Path) -> None:
 
 
 NAMES = {"float32": "fp32", "bfloat16": "bf16", "q4": "q4", "q4f32": "q4f32", "q4q8": "q4q8"}  # eager modes
-BLOCK_MODES = ("q4f32", "q4q8")
 COMPILED = {"bf16 compiled": ("bfloat16", "compiled"), "int8 compiled": ("int8", "compiled")}
 
 

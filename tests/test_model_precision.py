@@ -145,15 +145,19 @@ def test_fast_path_matches_fp32_on_every_family(tiny_targets):
         assert cache.lengths.tolist() == [24, 10]
 
 
+def prompt_logits(target) -> torch.Tensor:
+    """The target's logits at every position of one chat prompt (the modes' closeness to fp32 is measured there)."""
+    ids = target.encode_prompt("Explain why the sky is blue in two sentences.")
+    m = target.model
+    return m.logits(m(torch.tensor([ids]), m.new_cache(1, len(ids))).hidden[0])
+
+
 def test_q4_runs_the_gguf_blocks_close_to_the_exact_model(smollm2_fp32):
     q4 = load_target(None, dtype="q4")
     m = q4.model
     assert m.precision == "q4" and isinstance(m._kernels[0].gate_up, Int4)
     assert isinstance(m._lm_head_kernel, Int4) and m._lm_head_kernel.repeats == 2  # the Q8_0 head, as stored
-    ids = q4.encode_prompt("Explain why the sky is blue in two sentences.")
-    ref = smollm2_fp32.model
-    want = ref.logits(ref(torch.tensor([ids]), ref.new_cache(1, len(ids))).hidden[0])
-    got = m.logits(m(torch.tensor([ids]), m.new_cache(1, len(ids))).hidden[0])
+    got, want = prompt_logits(q4), prompt_logits(smollm2_fp32)
     # measured on SmolLM2: max |diff| 1.25 on logits of magnitude ~40, 95% of top-1 choices agree
     assert (got - want).abs().max().item() < 0.1 * want.abs().max().item()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.85
@@ -163,10 +167,7 @@ def test_q4f32_is_the_float32_model_at_the_files_bytes(smollm2_fp32, smollm2_q4f
     m = smollm2_q4f32.model
     assert m.precision == "q4f32" and m.dtype == torch.float32 and not m.fast
     assert isinstance(m._kernels[0].qkv, BlockLinear) and m._lm_head_kernel.kind == "Q8_0"  # the head as stored
-    ids = smollm2_q4f32.encode_prompt("Explain why the sky is blue in two sentences.")
-    ref = smollm2_fp32.model
-    want = ref.logits(ref(torch.tensor([ids]), ref.new_cache(1, len(ids))).hidden[0])
-    got = m.logits(m(torch.tensor([ids]), m.new_cache(1, len(ids))).hidden[0])
+    got, want = prompt_logits(smollm2_q4f32), prompt_logits(smollm2_fp32)
     # the same weights in fp32 arithmetic, summed in another order: measured max |diff| 1.5e-4 (logits ~38)
     assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
@@ -216,12 +217,9 @@ def test_block_modes_without_the_decode_kernel_claim_no_invariance(monkeypatch):
 def test_q4q8_is_llama_cpps_arithmetic_close_to_the_exact_model(smollm2_fp32, smollm2_q4q8):
     m = smollm2_q4q8.model
     assert m.precision == "q4q8" and m.dtype == torch.float32 and m._lm_head_kernel.activations == "q8"
-    ids = smollm2_q4q8.encode_prompt("Explain why the sky is blue in two sentences.")
-    ref = smollm2_fp32.model
-    want = ref.logits(ref(torch.tensor([ids]), ref.new_cache(1, len(ids))).hidden[0])
-    got = m.logits(m(torch.tensor([ids]), m.new_cache(1, len(ids))).hidden[0])
-    # measured on SmolLM2: max |diff| 2.44 on logits of magnitude ~38 (the 8-bit activations: q4f32 1.5e-4), 95% of top-1
-    # choices agree (q4, bf16 activations: 1.25, 95%)
+    got, want = prompt_logits(smollm2_q4q8), prompt_logits(smollm2_fp32)
+    # measured on SmolLM2: max |diff| 2.44 on logits of magnitude ~38 (the 8-bit activations: q4f32 1.5e-4),
+    # 95% of top-1 choices agree (q4, bf16 activations: 1.25, 95%)
     assert (got - want).abs().max().item() < 0.1 * want.abs().max().item()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
 
