@@ -127,10 +127,14 @@ static void rows_times_tile(const float* x, const float* w, float* y, int64_t M,
     if (M - i == 1) tile<1, NT>(x + i * K, w, y + i * N, K, N);
 }
 
-// x [M, K] fp32, q [N, K / 32, BLOCK_BYTES], d / m [N, K / 32] fp32 -> y [M, N] fp32. K % 32 == 0.
-extern "C" void kernel(const float* x, const Code* q, const float* d, const float* m, float* y, int64_t M,
-                       int64_t N, int64_t K, int64_t threads) {
+// x [M, K] fp32 (or what `prologue` makes [M, K] of, block_glue.h), q [N, K / 32, BLOCK_BYTES], d / m
+// [N, K / 32] fp32 -> y [M, N] fp32 (plus `residual` [M, N] where `has_residual`). K % 32 == 0.
+extern "C" void kernel(const float* x_in, const Code* q, const float* d, const float* m, float* y, int64_t M,
+                       int64_t N, int64_t K, int64_t threads, int64_t prologue, const float* norm, float eps,
+                       const float* residual, int64_t has_residual) {
     const int64_t blocks = K / BLOCK, tiles = (N + NB - 1) / NB;
+    std::vector<float> scratch;
+    const float* x = glue::input_rows(x_in, M, K, prologue, norm, eps, scratch);
 #pragma omp parallel num_threads(threads)
     {
         std::vector<float> w(NB * K);
@@ -148,4 +152,5 @@ extern "C" void kernel(const float* x, const Code* q, const float* d, const floa
             }
         }
     }
+    glue::add_residual(y, has_residual ? residual : nullptr, M, N);
 }

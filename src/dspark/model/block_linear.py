@@ -41,6 +41,8 @@ import torch.nn.functional as F
 log = logging.getLogger("dspark.model")
 
 SOURCES = {"f32": Path(__file__).with_name("block_linear.cpp"), "q8": Path(__file__).with_name("block_linear_q8.cpp")}
+GLUE = Path(__file__).with_name("block_glue.h")  # what both kernels fuse around the product (`BlockLinear.__call__`)
+PROLOGUES = {"as is": 0, "rms_norm": 1, "glu": 2}  # block_glue.h's Prologue
 BLOCK = 32
 OFFSET = {"Q4_0": -8, "Q4_1": 0, "Q8_0": 0}  # w = (q + offset) * d + m
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
@@ -55,8 +57,9 @@ def _built(kind: str, activations: str = "f32"):
 
     code = "const uint8_t*" if BITS[kind] == 4 else "const int8_t*"
     argtypes = ["const float*", code, "const float*", "const float*", "float*", "int64_t", "int64_t", "int64_t",
-                "int64_t"]
-    source = f"#define BITS {BITS[kind]}\n#define OFFSET {OFFSET[kind]}\n" + SOURCES[activations].read_text()
+                "int64_t", "int64_t", "const float*", "float", "const float*", "int64_t"]
+    source = (f"#define BITS {BITS[kind]}\n#define OFFSET {OFFSET[kind]}\n" + GLUE.read_text()
+              + SOURCES[activations].read_text())
     try:
         return CppPythonBindingsCodeCache.load_pybinding(argtypes, source)
     except Exception as e:  # no compiler, an unsupported toolchain or CPU: the mode is refused with the reason
@@ -93,14 +96,27 @@ class BlockLinear:
         self.codes = torch.from_numpy(codes if BITS[kind] == 4 else codes.view(np.int8))
         self.bias = bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+    def __call__(self, x: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 0.0, glu: bool = False,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, W, bias), or with a decoder layer's glue fused (block_glue.h): of `F.rms_norm(x,
+        norm.shape, norm, eps)` where `norm` is given, of `F.silu(gate) * up` where `glu` (x is then
+        [..., 2 * in_features], gate then up), plus `residual` [..., out_features] where given."""
+        if norm is not None and glu:
+            raise ValueError("a product's rows are normed or gated, not both")
+        width = 2 * self.in_features if glu else self.in_features
+        rows = x.reshape(-1, width)
         if rows.dtype != torch.float32:
             raise TypeError(f"BlockLinear runs fp32 activations, got {rows.dtype}")
-        rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        _built(self.kind, self.activations)(rows, self.codes, self.d, self.m, out, rows.shape[0], self.out_features,
-                                            self.in_features, torch.get_num_threads())
+        rows, n = rows.contiguous(), rows.shape[0]
+        added = None if residual is None else residual.reshape(n, self.out_features).contiguous()
+        if self.bias is not None and added is not None:
+            raise ValueError("a product with a bias adds no residual")
+        prologue = PROLOGUES["rms_norm" if norm is not None else "glu" if glu else "as is"]
+        out = torch.empty(n, self.out_features, dtype=torch.float32)
+        _built(self.kind, self.activations)(
+            rows, self.codes, self.d, self.m, out, n, self.out_features, self.in_features, torch.get_num_threads(),
+            prologue, rows if norm is None else norm.contiguous(), eps, out if added is None else added,
+            int(added is not None))
         out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 

@@ -120,15 +120,18 @@ static void rows_times_weight(const int8_t* c, const float* dx, const float* sx,
     }
 }
 
-// x [M, K] fp32, q [N, K / 32, BLOCK_BYTES], d [N, K / 32] fp32, m [N, mb] fp32 (Q4 only) -> y [M, N] fp32.
-// K % 32 == 0.
+// x [M, K] fp32 (or what `prologue` makes [M, K] of, block_glue.h), q [N, K / 32, BLOCK_BYTES], d [N, K / 32]
+// fp32, m [N, mb] fp32 (Q4 only) -> y [M, N] fp32 (plus `residual` [M, N] where `has_residual`). K % 32 == 0.
 extern "C" void kernel(const float* x, const Code* q, const float* d, const float* m, float* y, int64_t M,
-                       int64_t N, int64_t K, int64_t threads) {
+                       int64_t N, int64_t K, int64_t threads, int64_t prologue, const float* norm, float eps,
+                       const float* residual, int64_t has_residual) {
     constexpr int MB = 4;  // rows a tile (measured on an AVX2-only EPYC: 1 output x 4 rows fastest)
     const int64_t blocks = K / BLOCK, mb = (blocks + 7) / 8 * 8;
+    std::vector<float> scratch;
+    const float* rows = glue::input_rows(x, M, K, prologue, norm, eps, scratch);
     std::vector<int8_t> c(M * K);
     std::vector<float> dx(M * blocks), sx(M * mb, 0.0f);
-    for (int64_t i = 0; i < M; ++i) quantise_row(x + i * K, K, c.data() + i * K, dx.data() + i * blocks, sx.data() + i * mb);
+    for (int64_t i = 0; i < M; ++i) quantise_row(rows + i * K, K, c.data() + i * K, dx.data() + i * blocks, sx.data() + i * mb);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; ++n) {
         const Code* qn = q + n * blocks * BLOCK_BYTES;
@@ -140,4 +143,5 @@ extern "C" void kernel(const float* x, const Code* q, const float* d, const floa
             rows_times_weight<1>(c.data() + i * K, dx.data() + i * blocks, sx.data() + i * mb, qn, d + n * blocks,
                                  HAS_M ? m + n * mb : m, y + i * N + n, K, N, mb);
     }
+    glue::add_residual(y, has_residual ? residual : nullptr, M, N);
 }

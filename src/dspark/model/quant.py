@@ -185,4 +185,4 @@ def block_weights(gguf_path, model: TargetModel, precision: str = "q4f32") -> Qu
     lm_head = kernel([head]) if _block_kind(tensors, [head]) else dense_kernel(model.lm_head)
     # the block kernels are row-invariant, but a dense head's oneDNN product is not
     return QuantisedWeights(layers=layers, lm_head=lm_head, precision=precision,
-                            row_invariant=isinstance(lm_head, BlockLinear))
+                            row_invariant=isinstance(lm_head, BlockLinear), fuses_glue=True)

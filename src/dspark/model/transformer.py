@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.errors import DsparkError
-from dspark.model import decode_attention
+from dspark.model import decode_attention, rope_store
 from dspark.model.attention import PER_ROW_SPREAD, attention, attention_per_row
 from dspark.model.config import TargetConfig
 from dspark.model.kernels import Dense, Packed, dense_kernel
 
-RUNNER_VERSION = 5  # bumped when a change moves the runner's speed; SPS profiles are cached per version
+RUNNER_VERSION = 6  # bumped when a change moves the runner's speed; SPS profiles are cached per version
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -153,6 +153,8 @@ class TargetModel(nn.Module):
         self.precision = "float32" if dtype == torch.float32 else "bfloat16"
         # every op computes a token the same bits whatever tokens share its forward (set by `prepare`)
         self.row_invariant = False
+        # the block modes' layers with their glue fused into the kernels (`_block_layer`; set by `prepare`)
+        self.fused_glue = False
         self._kernels: list[LayerKernels] | None = None  # set by `prepare`
         self._lm_head_kernel = None
         self.compiled = None  # a compiled.CompiledRunner, set by load_target where one is built
@@ -232,6 +234,7 @@ class TargetModel(nn.Module):
             # and attention too: through the decode kernel (`_attention_of`), where it runs
             self.row_invariant = quantised.row_invariant and decode_attention.supports(
                 self.dtype, self.device, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+            self.fused_glue = quantised.fuses_glue and not c.qk_norm and rope_store.built()
         else:
             self._lm_head_kernel = make(self.lm_head)
 
@@ -339,6 +342,18 @@ class TargetModel(nn.Module):
         mask = None if q == 1 and B == 1 else tokens.mask(kv_len, None if tree is None else tree[1])
         return lambda qs, kv: attention(qs, kv[:, :nkv], kv[:, nkv:], mask)
 
+    def _block_layer(self, x, layer, kern, store: rope_store.RopeStore, kvc, attend, tokens: TokenLayout,
+                     kv_len: int) -> torch.Tensor:
+        """A decoder layer of the fp32 block modes with its glue fused into their kernels: the RMSNorms and
+        SiLU(gate) * up into the products' input rows, the residuals into their outputs (block_glue.h), RoPE
+        and the K/V write into one call (rope_store.cpp): 6 calls a layer where the eager ops are ~60."""
+        c = self.cfg
+        qkv = kern.qkv(x, norm=layer.input_norm, eps=c.rms_norm_eps).view(x.shape[0], -1, c.head_dim)
+        qh = store(qkv, kvc, c.num_attention_heads)
+        attn = attend(tokens.pad(qh).transpose(1, 2), kvc[:, :, :kv_len])
+        x = kern.o(tokens.pack(attn.transpose(1, 2)).flatten(1), residual=x)
+        return kern.down(kern.gate_up(x, norm=layer.post_norm, eps=c.rms_norm_eps), glu=True, residual=x)
+
     def _output_and_mlp(self, x, layer, kern, attn: torch.Tensor, tokens: TokenLayout) -> torch.Tensor:
         """The rest of a layer after its attention `attn` [B, nh, q, hd]: output projection, MLP, residuals."""
         x = x + kern.o(tokens.pack(attn.transpose(1, 2)).flatten(1))
@@ -385,7 +400,9 @@ class TargetModel(nn.Module):
             cache.lengths = end
             return ForwardOutput(hidden=hidden, taps=taps_out)
         tokens = TokenLayout(start, num_new, q, None if tree is None else tree[0])
-        if self.fast:
+        if self.fused_glue:
+            store = rope_store.RopeStore(self.rope_cos, self.rope_sin, tokens.pos, *tokens.kv_slots(), B, cache.max_len)
+        elif self.fast:
             cis = self.rope_cis[tokens.pos][:, None]  # [N, 1, d/2]
         else:
             cos, sin = self.rope_cos[tokens.pos][:, None], self.rope_sin[tokens.pos][:, None]  # [N, 1, d]
@@ -397,6 +414,11 @@ class TargetModel(nn.Module):
         tapped = {-1: x} if -1 in tap_set else {}  # -1: the embedding output (DeepSpec's convention)
         for li, (layer, kern) in enumerate(zip(self.layers, self._kernels)):
             kvc = cache.kv[li]
+            if self.fused_glue:
+                x = self._block_layer(x, layer, kern, store, kvc, attend, tokens, kv_len)
+                if li in tap_set:
+                    tapped[li] = x
+                continue
             if self.fast:
                 qh = self._fast_attention_inputs(x, layer, kern, cis, kvc, tokens)
             else:
@@ -444,6 +466,13 @@ class TokenLayout:
             self.rows = (torch.arange(self.B, device=start.device).repeat_interleave(q) if self.index is None
                          else self.index // q)
             self.slots = self.pos if depth is None else self.pack(start[:, None] + steps[None, :])
+
+    def kv_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cache row, slot) [N] where each packed token's K / V go (`write`'s)."""
+        if self.single_start is not None:
+            s = self.single_start
+            return torch.zeros(self.q, dtype=torch.long), torch.arange(s, s + self.q, device=self.start.device)
+        return self.rows, self.slots
 
     def pack(self, grid: torch.Tensor) -> torch.Tensor:
         """[B, q, ...] -> [N, ...]."""
@@ -499,3 +528,4 @@ class QuantisedWeights:
     lm_head: object
     precision: str
     row_invariant: bool = False  # the kernels compute a row the same bits whatever rows share the call
+    fuses_glue: bool = False  # the layers' kernels take BlockLinear's norm / glu / residual (`_block_layer`)
