@@ -44,23 +44,25 @@ def test_rope_store_is_the_eager_rope_and_cache_write_bit_for_bit(layout):
     want_cache = torch.randn(rows, 2 * NKV, L, D, generator=g)
     got_cache = want_cache.clone()
     want = eager(qkv, cos, sin, tokens, want_cache)
-    store = rope_store.RopeStore(cos, sin, tokens.pos, *tokens.kv_slots(), rows, L)
-    got = store(qkv, got_cache, NH)
+    store = rope_store.RopeStore(cos, sin, tokens.pos, *tokens.kv_slots(), [torch.zeros_like(got_cache), got_cache])
+    got = store(qkv, 1)
     assert torch.equal(got, want)
     assert torch.equal(got_cache, want_cache)
 
 
 def test_rope_store_refuses_indices_outside_the_tables_or_the_cache():
     cos, sin = tables()
-    one = torch.zeros(1, dtype=torch.long)
+    one, cache = torch.zeros(1, dtype=torch.long), [torch.zeros(1, 2 * NKV, L, D)]
     with pytest.raises(ValueError, match="outside"):
-        rope_store.RopeStore(cos, sin, torch.tensor([L]), one, one, 1, L)  # past the RoPE tables
+        rope_store.RopeStore(cos, sin, torch.tensor([L]), one, one, cache)  # past the RoPE tables
     with pytest.raises(ValueError, match="outside"):
-        rope_store.RopeStore(cos, sin, one, torch.tensor([1]), one, 1, L)  # a cache row that is not there
+        rope_store.RopeStore(cos, sin, one, torch.tensor([1]), one, cache)  # a cache row that is not there
     with pytest.raises(ValueError, match="outside"):
-        rope_store.RopeStore(cos, sin, one, one, torch.tensor([L]), 1, L)  # past the cache's positions
-    store = rope_store.RopeStore(cos, sin, one, one, one, 1, L)
-    with pytest.raises(ValueError, match="do not fit"):
-        store(torch.zeros(1, NH + 2 * NKV, D), torch.zeros(1, 2 * NKV, L + 1, D), NH)  # another cache
-    with pytest.raises(ValueError, match="do not fit"):
-        store(torch.zeros(2, NH + 2 * NKV, D), torch.zeros(1, 2 * NKV, L, D), NH)  # more tokens than positions
+        rope_store.RopeStore(cos, sin, one, one, torch.tensor([L]), cache)  # past the cache's positions
+    with pytest.raises(ValueError, match="one layout"):
+        rope_store.RopeStore(cos, sin, one, one, one, [*cache, torch.zeros(1, 2 * NKV, L + 1, D)])
+    with pytest.raises(ValueError, match="one layout"):
+        rope_store.RopeStore(cos, sin, one, one, one, [torch.zeros(1, 2 * NKV, D, L).transpose(2, 3)])
+    store = rope_store.RopeStore(cos, sin, one, one, one, cache)
+    with pytest.raises(ValueError, match="does not fit"):
+        store(torch.zeros(2, NH + 2 * NKV, D), 0)  # more tokens than positions

@@ -42,7 +42,7 @@ log = logging.getLogger("dspark.model")
 
 SOURCES = {"f32": Path(__file__).with_name("block_linear.cpp"), "q8": Path(__file__).with_name("block_linear_q8.cpp")}
 GLUE = Path(__file__).with_name("block_glue.h")  # what both kernels fuse around the product (`BlockLinear.__call__`)
-PROLOGUES = {"as is": 0, "rms_norm": 1, "glu": 2}  # block_glue.h's Prologue
+AS_IS, RMS_NORM, GLU = 0, 1, 2  # block_glue.h's Prologue
 BLOCK = 32
 OFFSET = {"Q4_0": -8, "Q4_1": 0, "Q8_0": 0}  # w = (q + offset) * d + m
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
@@ -95,29 +95,35 @@ class BlockLinear:
         codes = np.ascontiguousarray(rows[..., nbytes - (16 if BITS[kind] == 4 else 32):])
         self.codes = torch.from_numpy(codes if BITS[kind] == 4 else codes.view(np.int8))
         self.bias = bias
+        self._kernel = _built(kind, activations)
 
     def __call__(self, x: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 0.0, glu: bool = False,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear(x, W, bias), or with a decoder layer's glue fused (block_glue.h): of `F.rms_norm(x,
         norm.shape, norm, eps)` where `norm` is given, of `F.silu(gate) * up` where `glu` (x is then
         [..., 2 * in_features], gate then up), plus `residual` [..., out_features] where given."""
-        if norm is not None and glu:
-            raise ValueError("a product's rows are normed or gated, not both")
         width = 2 * self.in_features if glu else self.in_features
-        rows = x.reshape(-1, width)
-        if rows.dtype != torch.float32:
-            raise TypeError(f"BlockLinear runs fp32 activations, got {rows.dtype}")
-        rows, n = rows.contiguous(), rows.shape[0]
-        added = None if residual is None else residual.reshape(n, self.out_features).contiguous()
-        if self.bias is not None and added is not None:
-            raise ValueError("a product with a bias adds no residual")
-        prologue = PROLOGUES["rms_norm" if norm is not None else "glu" if glu else "as is"]
-        out = torch.empty(n, self.out_features, dtype=torch.float32)
-        _built(self.kind, self.activations)(
-            rows, self.codes, self.d, self.m, out, n, self.out_features, self.in_features, torch.get_num_threads(),
-            prologue, rows if norm is None else norm.contiguous(), eps, out if added is None else added,
-            int(added is not None))
-        out = out.view(*x.shape[:-1], self.out_features)
+        if x.dtype != torch.float32 or x.shape[-1] != width:
+            raise TypeError(f"BlockLinear runs fp32 activations of {width} features here, got {x.dtype} "
+                            f"{tuple(x.shape)}")
+        rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, width).contiguous()
+        n, out = rows.shape[0], torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        if norm is not None and (glu or norm.shape != (self.in_features,) or not norm.is_contiguous()):
+            raise ValueError(f"a product's rows are normed (by a contiguous [{self.in_features}] weight) or gated, "
+                             "not both")
+        if residual is not None:
+            if self.bias is not None:
+                raise ValueError("a product with a bias adds no residual")
+            if residual.dim() != 2 or not residual.is_contiguous():
+                residual = residual.reshape(-1, self.out_features).contiguous()
+            if residual.shape[0] != n or residual.shape[1] != self.out_features or residual.dtype != torch.float32:
+                raise ValueError(f"a residual of {n} fp32 rows of {self.out_features}, got {tuple(residual.shape)}")
+        self._kernel(rows, self.codes, self.d, self.m, out, n, self.out_features, self.in_features,
+                     torch.get_num_threads(), RMS_NORM if norm is not None else GLU if glu else AS_IS,
+                     rows if norm is None else norm, eps, out if residual is None else residual,
+                     residual is not None)
+        if x.dim() != 2:
+            out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
     def dequantised(self) -> torch.Tensor:

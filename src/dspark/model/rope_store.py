@@ -39,36 +39,37 @@ def built() -> bool:
 
 class RopeStore:
     """One forward's tokens: token t at RoPE position pos[t], its K/V to slot slots[t] of cache row
-    rows[t] (all [N] int64), checked once against the tables and the cache; called once a layer."""
+    rows[t] (all [N] int64), checked once against the RoPE tables and the layers' caches `kv` (each
+    [cache rows, 2 kv_heads, cache len, d] fp32, K heads then V heads: KVCache.kv); called once a layer."""
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor,
-                 slots: torch.Tensor, cache_rows: int, cache_len: int):
-        if cos.dtype != torch.float32 or cos.shape != sin.shape:
-            raise ValueError("RoPE tables: fp32 cos and sin [positions, head_dim]")
-        self.cos, self.sin = cos.contiguous(), sin.contiguous()
+                 slots: torch.Tensor, kv: list[torch.Tensor]):
+        self.cos, self.sin, self.kv = cos.contiguous(), sin.contiguous(), kv
         self.pos, self.rows, self.slots = (t.to(torch.int64).contiguous() for t in (pos, rows, slots))
-        n = self.pos.shape[0]
-        if self.rows.shape[0] != n or self.slots.shape[0] != n:
-            raise ValueError(f"{n} positions, {self.rows.shape[0]} rows, {self.slots.shape[0]} slots")
-        if n and not (0 <= int(self.pos.min()) and int(self.pos.max()) < cos.shape[0]
-                      and 0 <= int(self.rows.min()) and int(self.rows.max()) < cache_rows
-                      and 0 <= int(self.slots.min()) and int(self.slots.max()) < cache_len):
-            raise ValueError(f"tokens at positions {self.pos.tolist()} (slots {self.slots.tolist()}, rows "
-                             f"{self.rows.tolist()}) outside {cos.shape[0]} positions or a cache of {cache_rows} "
-                             f"rows x {cache_len}")
-        self.cache_rows, self.cache_len = cache_rows, cache_len
+        shape, strides = kv[0].shape, kv[0].stride()
+        positions, d = cos.shape
+        if (cos.dtype != torch.float32 or sin.shape != cos.shape or shape[3] != d or strides[3] != 1
+                or strides[2] != d or any(t.dtype != torch.float32 or t.shape != shape or t.stride() != strides
+                                          for t in kv)):
+            raise ValueError(f"RoPE tables {tuple(cos.shape)} and caches {tuple(shape)} (strides {strides}): "
+                             "fp32, one layout for every layer, a head's positions contiguous")
+        pos_, rows_, slots_ = self.pos.tolist(), self.rows.tolist(), self.slots.tolist()
+        if not len(pos_) == len(rows_) == len(slots_):
+            raise ValueError(f"{len(pos_)} positions, {len(rows_)} rows, {len(slots_)} slots")
+        if pos_ and not (0 <= min(pos_) and max(pos_) < positions and 0 <= min(rows_) and max(rows_) < shape[0]
+                         and 0 <= min(slots_) and max(slots_) < shape[2]):
+            raise ValueError(f"tokens at positions {pos_} (slots {slots_}, rows {rows_}) outside {positions} "
+                             f"positions or a cache of {shape[0]} rows x {shape[2]}")
+        self.kv_heads, self.strides = shape[1] // 2, strides[:2]
 
-    def __call__(self, qkv: torch.Tensor, kvc: torch.Tensor, heads: int) -> torch.Tensor:
+    def __call__(self, qkv: torch.Tensor, layer: int) -> torch.Tensor:
         """qkv [N, heads + 2 kv_heads, d] fp32 -> the rotated queries [N, heads, d]; the rotated keys and
-        the values written into kvc [cache rows, 2 kv_heads, cache len, d] (K heads, then V heads)."""
+        the values written into layer `layer`'s cache."""
         n, width, d = qkv.shape
-        rows, kv2, length, _ = kvc.shape
-        if (kvc.dtype != torch.float32 or kvc.stride(3) != 1 or kvc.stride(2) != d or (rows, length) != (
-                self.cache_rows, self.cache_len) or width != heads + kv2 or n != self.pos.shape[0]
-                or self.cos.shape[1] != d):
-            raise ValueError(f"qkv {tuple(qkv.shape)} and cache {tuple(kvc.shape)} do not fit these tokens")
-        qkv = qkv.contiguous()
+        heads = width - 2 * self.kv_heads
+        if n != self.pos.shape[0] or d != self.cos.shape[1] or heads <= 0 or qkv.dtype != torch.float32:
+            raise ValueError(f"qkv {tuple(qkv.shape)} does not fit these {self.pos.shape[0]} tokens and caches")
         q = torch.empty(n, heads, d, dtype=torch.float32)
-        _built()(qkv, self.cos, self.sin, self.pos, self.rows, self.slots, q, kvc, n, heads, kv2 // 2, d,
-                 kvc.stride(0), kvc.stride(1))
+        _built()(qkv.contiguous(), self.cos, self.sin, self.pos, self.rows, self.slots, q, self.kv[layer], n, heads,
+                 self.kv_heads, d, *self.strides)
         return q

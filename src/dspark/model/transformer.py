@@ -320,8 +320,8 @@ class TargetModel(nn.Module):
         return qh
 
     def _attention_of(self, tokens: TokenLayout, start, end, kv_len: int, tree) -> Callable:
-        """How this forward's layers attend: a function (queries [B, nh, q, d], a layer's cache
-        [B, 2 * nkv, kv_len, d]) -> [B, nh, q, d]. The engine's decode and verify steps (rows of up to
+        """How this forward's layers attend: a function (queries [B, q, nh, d], a layer's cache
+        [B, 2 * nkv, L >= kv_len, d]) -> [B, q, nh, d]. The engine's decode and verify steps (rows of up to
         MAX_QUERIES tokens, chains or token trees) run the ragged decode kernel; without it, one-token
         rows whose lengths spread attend a row at a time; else one SDPA call, masked unless a lone row
         attends to all it has. With row-invariant projections a lone request's forwards of up to
@@ -336,27 +336,27 @@ class TargetModel(nn.Module):
         if (B > 1 or self.row_invariant) and q <= most and (tree is None or B == len(visible)):
             if decode_attention.supports(self.dtype, self.device, c.num_attention_heads, nkv, c.head_dim):
                 rows = decode_attention.checked_rows(start, end - start, q, kv_len, visible)  # once, not per layer
-                return lambda qs, kv: decode_attention.run(qs.transpose(1, 2), kv, *rows).transpose(1, 2)
+                return lambda qs, kv: decode_attention.run(qs, kv, *rows)
             if tree is None and q == 1 and (row_lengths := one_token_row_lengths(start, end)):
-                return lambda qs, kv: attention_per_row(qs, kv[:, :nkv], kv[:, nkv:], row_lengths)
+                return lambda qs, kv: attention_per_row(qs.transpose(1, 2), kv[:, :nkv, :kv_len],
+                                                        kv[:, nkv:, :kv_len], row_lengths).transpose(1, 2)
         mask = None if q == 1 and B == 1 else tokens.mask(kv_len, None if tree is None else tree[1])
-        return lambda qs, kv: attention(qs, kv[:, :nkv], kv[:, nkv:], mask)
+        return lambda qs, kv: attention(qs.transpose(1, 2), kv[:, :nkv, :kv_len], kv[:, nkv:, :kv_len],
+                                        mask).transpose(1, 2)
 
-    def _block_layer(self, x, layer, kern, store: rope_store.RopeStore, kvc, attend, tokens: TokenLayout,
-                     kv_len: int) -> torch.Tensor:
+    def _block_layer(self, x, li: int, store: rope_store.RopeStore, attend, tokens: TokenLayout) -> torch.Tensor:
         """A decoder layer of the fp32 block modes with its glue fused into their kernels: the RMSNorms and
         SiLU(gate) * up into the products' input rows, the residuals into their outputs (block_glue.h), RoPE
         and the K/V write into one call (rope_store.cpp): 6 calls a layer where the eager ops are ~60."""
-        c = self.cfg
+        c, layer, kern = self.cfg, self.layers[li], self._kernels[li]
         qkv = kern.qkv(x, norm=layer.input_norm, eps=c.rms_norm_eps).view(x.shape[0], -1, c.head_dim)
-        qh = store(qkv, kvc, c.num_attention_heads)
-        attn = attend(tokens.pad(qh).transpose(1, 2), kvc[:, :, :kv_len])
-        x = kern.o(tokens.pack(attn.transpose(1, 2)).flatten(1), residual=x)
+        attn = attend(tokens.pad(store(qkv, li)), store.kv[li])
+        x = kern.o(tokens.pack(attn).flatten(1), residual=x)
         return kern.down(kern.gate_up(x, norm=layer.post_norm, eps=c.rms_norm_eps), glu=True, residual=x)
 
     def _output_and_mlp(self, x, layer, kern, attn: torch.Tensor, tokens: TokenLayout) -> torch.Tensor:
-        """The rest of a layer after its attention `attn` [B, nh, q, hd]: output projection, MLP, residuals."""
-        x = x + kern.o(tokens.pack(attn.transpose(1, 2)).flatten(1))
+        """The rest of a layer after its attention `attn` [B, q, nh, hd]: output projection, MLP, residuals."""
+        x = x + kern.o(tokens.pack(attn).flatten(1))
         if self.fast:
             h = self._normed(x, None if kern.fold_norms else layer.post_norm)
         else:
@@ -401,7 +401,7 @@ class TargetModel(nn.Module):
             return ForwardOutput(hidden=hidden, taps=taps_out)
         tokens = TokenLayout(start, num_new, q, None if tree is None else tree[0])
         if self.fused_glue:
-            store = rope_store.RopeStore(self.rope_cos, self.rope_sin, tokens.pos, *tokens.kv_slots(), B, cache.max_len)
+            store = rope_store.RopeStore(self.rope_cos, self.rope_sin, tokens.pos, *tokens.kv_slots(), cache.kv)
         elif self.fast:
             cis = self.rope_cis[tokens.pos][:, None]  # [N, 1, d/2]
         else:
@@ -415,7 +415,7 @@ class TargetModel(nn.Module):
         for li, (layer, kern) in enumerate(zip(self.layers, self._kernels)):
             kvc = cache.kv[li]
             if self.fused_glue:
-                x = self._block_layer(x, layer, kern, store, kvc, attend, tokens, kv_len)
+                x = self._block_layer(x, li, store, attend, tokens)
                 if li in tap_set:
                     tapped[li] = x
                 continue
@@ -423,7 +423,7 @@ class TargetModel(nn.Module):
                 qh = self._fast_attention_inputs(x, layer, kern, cis, kvc, tokens)
             else:
                 qh = self._reference_attention_inputs(x, layer, kern, cos, sin, kvc, tokens)
-            attn = attend(tokens.pad(qh).transpose(1, 2), kvc[:, :, :kv_len])
+            attn = attend(tokens.pad(qh), kvc)
             x = self._output_and_mlp(x, layer, kern, attn, tokens)
             if li in tap_set:
                 tapped[li] = x
