@@ -26,7 +26,7 @@ from dspark.model.attention import PER_ROW_SPREAD, attention, attention_per_row
 from dspark.model.config import TargetConfig
 from dspark.model.kernels import Dense, Packed, dense_kernel
 
-RUNNER_VERSION = 6  # bumped when a change moves the runner's speed; SPS profiles are cached per version
+RUNNER_VERSION = 7  # bumped when a change moves the runner's speed; SPS profiles are cached per version
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
