@@ -5,7 +5,13 @@ import torch
 from helpers import make_random_dspark
 
 from dspark.decode.engine import Engine
-from dspark.decode.speculation import engine_factory, load_speculation, split_spec, with_policy
+from dspark.decode.speculation import (
+    REQUEST_MAX_PROBE_EVERY,
+    engine_factory,
+    load_speculation,
+    split_spec,
+    with_policy,
+)
 from dspark.draft.checkpoint import save_drafter
 from dspark.errors import DsparkError
 from dspark.model.loading import load_target
@@ -46,6 +52,12 @@ def test_new_spellings_build_their_policies(tiny_targets, tmp_path, monkeypatch)
     assert isinstance(fixed, FixedPolicy) and fixed.lengths([[0.9, 0.8, 0.7]], [3]) == [2]
     _, _, hw = load_speculation(f"{tmp_path / 'd'}@dspark-async", target)
     assert isinstance(hw, DSparkAsyncPolicy) and hw.gate.draft_cost(1) > 0  # the draft pass counted, as dspark
+    _, _, tree = load_speculation(f"{tmp_path / 'd'}+lookup@tree", target)
+    # a lone request's tree is drafted only while drafting pays (always drafting ran the default up to 27%
+    # below plain decoding on an AVX2 EPYC), probing at least every REQUEST_MAX_PROBE_EVERY steps
+    assert tree.should_draft(1) and tree.gate.max_probe_every == REQUEST_MAX_PROBE_EVERY
+    tree.record_step(1, True, verified=1, committed=1, draft_s=tree.gate.draft_cost(1))  # the pass bought nothing
+    assert not tree.should_draft(1)
     make, label, drafts = engine_factory(target, str(tmp_path / "d"), max_len=64)
     engine = make(parse_policy("full"), 2)
     assert isinstance(engine, Engine) and label == str(tmp_path / "d") and drafts == drafter.max_drafts == 4

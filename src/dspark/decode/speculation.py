@@ -31,6 +31,7 @@ DRAFTER_CHOICES = ("auto | none | prompt-lookup | PATH to a drafter checkpoint d
                    "+lookup), each optionally @POLICY")
 ENGINE_PROMPT_LOOKUP_DRAFTS = 8  # drafts per row of the batched engine's prompt-lookup drafter
 TREE_MAX_TOKENS = 33  # the SPS curve `tree` reads: trees of up to 32 drafts
+REQUEST_MAX_PROBE_EVERY = 32  # the draft gate's longest wait between probes, one request at a time
 # what `auto` adds to the bundled drafter: the hardware's tree with prompt-lookup branches, one request at a
 # time (generate, eval) and in the engine (serve), where its trees shrink to chains and to nothing as the
 # batch grows (benchmarks/results/README.md, "lookup branches in the engine")
@@ -172,6 +173,10 @@ def request_policy(rule: str, drafter: Drafter | None, target: Target,
     policy = limited_policy(target, name, sps, drafter.max_drafts)
     assert isinstance(policy, DSparkPolicy)
     policy.gate.draft_seconds = lambda requests: draft_s
+    # a lone request's gate probes at least every REQUEST_MAX_PROBE_EVERY skipped steps: content that turns
+    # predictable is found within that (the engine's 256 locked a lone request out for hundreds of steps on
+    # an AMX Xeon), and where drafting never pays a probe costs under 1% (an AVX2 EPYC: ~3.5 ms in 32 steps)
+    policy.gate.max_probe_every = REQUEST_MAX_PROBE_EVERY
     return policy
 
 

@@ -20,6 +20,9 @@ costs ~6x for 9 rows what it costs for one; `_weight_int8pack_mm` has per-row sc
 slower than the eager bf16 model on that CPU; oneDNN's prepacked fp32 product reads
 the dequantised weights (4 bytes each).
 
+Both fuse a decoder layer's glue around the product (block_glue.h, `BlockLinear.__call__`): an RMSNorm or
+SiLU(gate) * up of the input rows, the residual added to the output.
+
 In both, each output is one fp32 accumulator per row, fed in a fixed order and summed across vector
 lanes one fixed way, whatever the number of rows: a token's logits do not depend on how many tokens
 share its forward, so greedy speculative output is token-identical to plain decoding in these modes.

@@ -9,9 +9,9 @@
 // cache past a row's length is never read. A token tree's row (`seen` given) has its nodes' K/V in slots
 // start[b] + j; node i attends to the row's context and to the nodes whose bit j of seen[b, i] is set (its
 // ancestors and itself), summed as if they followed the context contiguously: exactly what the same token
-// decoded alone, after its path was accepted, computes. Task (b, h) = row b, K/V head h, with the query heads of
-// its group (folded GQA) for each of the row's tokens: M = count * group query vectors. fp32
-// throughout, exp as PyTorch's flash kernel computes it (exp_u20). One pass over K, one over V:
+// decoded alone, after its path was accepted, computes. Task (b, h, i) = row b, K/V head h, token i, with the
+// query heads of its group (folded GQA). fp32 throughout, exp as PyTorch's flash kernel computes it (exp_u20).
+// One pass over K, one over V:
 //   scores s[m][l] = q[m] . k[l] * scale;  p = softmax over l < L_m;  out[m] = sum_l p[m][l] v[l]
 #include <torch/csrc/inductor/cpp_prefix.h>
 
@@ -143,22 +143,20 @@ extern "C" void kernel(const T* q, const T* kv, const int64_t* start, const int6
     {
         std::vector<float> scores;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < B * nkv; ++t) {
-            const int64_t b = t / nkv, h = t % nkv;
+        for (int64_t t = 0; t < B * nkv * Q; ++t) {  // a task a token and K/V head: a verify row's Q tokens
+            const int64_t b = t / (nkv * Q), h = t / Q % nkv, i = t % Q;  // spread over the threads too
             const T* K = kv + b * row_stride + h * head_stride;
             const T* V = kv + b * row_stride + (nkv + h) * head_stride;
-            for (int64_t i = 0; i < Q; ++i) {
-                const int64_t offset = ((b * Q + i) * heads + h * group) * D;
-                if (i < count[b]) {
-                    int64_t path[64], npath = 0;  // a tree node's visible nodes' slots, in node order
-                    if (tree)
-                        for (int64_t j = 0; j < count[b]; ++j)
-                            if ((static_cast<uint64_t>(seen[b * Q + i]) >> j) & 1) path[npath++] = start[b] + j;
-                    const Seen positions{tree ? start[b] : start[b] + i + 1, npath, path};
-                    attend(q + offset, K, V, out + offset, positions, group, scale, scores);
-                } else {
-                    std::fill(out + offset, out + offset + group * D, T(0));
-                }
+            const int64_t offset = ((b * Q + i) * heads + h * group) * D;
+            if (i < count[b]) {
+                int64_t path[64], npath = 0;  // a tree node's visible nodes' slots, in node order
+                if (tree)
+                    for (int64_t j = 0; j < count[b]; ++j)
+                        if ((static_cast<uint64_t>(seen[b * Q + i]) >> j) & 1) path[npath++] = start[b] + j;
+                const Seen positions{tree ? start[b] : start[b] + i + 1, npath, path};
+                attend(q + offset, K, V, out + offset, positions, group, scale, scores);
+            } else {
+                std::fill(out + offset, out + offset + group * D, T(0));
             }
         }
     }

@@ -9,6 +9,8 @@ Two numerics, chosen by dtype:
   * bf16 and q4 run the same model with fewer ops per layer: RMSNorm as one fp32 scale per row
     (its weight folded into the next projection where the kernel allows), RoPE as one complex
     product on Q / K rows permuted to interleaved pairs, K and V written to the cache in one copy.
+The fp32 block modes (q4f32, q4q8) keep fp32's order of operations with a layer's glue fused into their
+kernels (`_block_layer`: 6 calls a layer).
 """
 
 from __future__ import annotations
