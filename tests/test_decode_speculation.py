@@ -5,13 +5,7 @@ import torch
 from helpers import make_random_dspark
 
 from dspark.decode.engine import Engine
-from dspark.decode.speculation import (
-    REQUEST_MAX_PROBE_EVERY,
-    engine_factory,
-    load_speculation,
-    split_spec,
-    with_policy,
-)
+from dspark.decode.speculation import REQUEST_MAX_PROBE_EVERY, engine_factory, load_speculation, split_spec, with_policy
 from dspark.draft.checkpoint import save_drafter
 from dspark.errors import DsparkError
 from dspark.model.loading import load_target
