@@ -78,12 +78,12 @@ def test_lookup_branches_keep_batched_greedy_exact(tiny_targets, policy, batched
     find, attend = hybrid.lookup_branch, decode_attention.run
     monkeypatch.setattr(hybrid, "lookup_branch", lambda *a: branches.append(find(*a)) or branches[-1])
     monkeypatch.setattr(decode_attention, "run", lambda q, kv, *rows: kernel_trees.append(len(rows) == 3) or attend(q, kv, *rows))
+    rule = parse_policy(policy, SPS)
+    rule.gate = None  # every step drafts (a gate skips this random drafter's passes): branches are what is tested
     if batched:
-        engine = Engine(target, policy=parse_policy(policy, SPS), max_batch=4, draft_model=drafter.model,
-                        lookup_branches=True)
+        engine = Engine(target, policy=rule, max_batch=4, draft_model=drafter.model, lookup_branches=True)
     else:
-        engine = Engine(target, lambda: LookupBranchDrafter(_shared_model_drafters(drafter)()), parse_policy(policy, SPS),
-                        max_batch=4)
+        engine = Engine(target, lambda: LookupBranchDrafter(_shared_model_drafters(drafter)()), rule, max_batch=4)
     done = engine.run([Request(p, n) for p, n in zip(prompts, budgets)])
     assert [r.token_ids for r in done] == want
     # the trees took lookup branches (per-request drafters grow trees for a lone row only: fewer)
