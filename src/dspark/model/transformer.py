@@ -415,18 +415,15 @@ class TargetModel(nn.Module):
         tap_set = set(taps)
         tapped = {-1: x} if -1 in tap_set else {}  # -1: the embedding output (DeepSpec's convention)
         for li, (layer, kern) in enumerate(zip(self.layers, self._kernels)):
-            kvc = cache.kv[li]
             if self.fused_glue:
                 x = self._block_layer(x, li, store, attend, tokens)
-                if li in tap_set:
-                    tapped[li] = x
-                continue
-            if self.fast:
-                qh = self._fast_attention_inputs(x, layer, kern, cis, kvc, tokens)
             else:
-                qh = self._reference_attention_inputs(x, layer, kern, cos, sin, kvc, tokens)
-            attn = attend(tokens.pad(qh), kvc)
-            x = self._output_and_mlp(x, layer, kern, attn, tokens)
+                kvc = cache.kv[li]
+                if self.fast:
+                    qh = self._fast_attention_inputs(x, layer, kern, cis, kvc, tokens)
+                else:
+                    qh = self._reference_attention_inputs(x, layer, kern, cos, sin, kvc, tokens)
+                x = self._output_and_mlp(x, layer, kern, attend(tokens.pad(qh), kvc), tokens)
             if li in tap_set:
                 tapped[li] = x
         cache.lengths = end
